@@ -1,0 +1,36 @@
+# Two commands for a newcomer: `make demo` and `make test`. Each installs first when needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+# Compiled DeepSpeed ops (deepspeed_shm_comm, cpu_adam) are cached here between runs.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: install demo test bench lint clean
+
+install: $(VENV)/.installed
+
+# torch first, pinned: otherwise pip resolves a CUDA build of torch (about 5.5 GB) on a CPU machine.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q "$(TORCH)" -e ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/accelerate launch recipes/finetune_llama2.py
+
+test: install
+	$(BIN)/ruff check hf_scale recipes tests bench
+	$(BIN)/python -m pytest -q -ra --durations=15
+
+bench: install
+	$(BIN)/python bench/trainer_overhead.py
+
+lint: install
+	$(BIN)/ruff check hf_scale recipes tests bench
+	$(BIN)/ruff format --check hf_scale recipes tests bench
+
+clean:
+	rm -rf $(VENV) .cache outputs .pytest_cache

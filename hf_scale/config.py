@@ -1,0 +1,162 @@
+"""Read a recipe's arguments from a YAML file (`--config FILE`) with command-line flags on top.
+
+The YAML keys are the dataclass field names, exactly as the flags are. Values are turned into flags and
+parsed by `HfArgumentParser` once, so a YAML value and a flag go through the same type checks (YAML 1.1
+reads `2e-5` as a string; here it still becomes the float 2e-05). Every mistake is one `ConfigError` that
+names the key and where it came from, raised before any work starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+from hf_scale.errors import ConfigError
+
+
+class _ArgparseError(ConfigError):
+    """A value argparse refused; `parse_config` adds where it came from."""
+
+
+class _RaisingParser(HfArgumentParser):
+    """argparse prints and exits on a bad value; here a bad value is an error the caller can place."""
+
+    def error(self, message: str):
+        raise _ArgparseError(message)
+
+
+def load_yaml_config(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file; a missing file or a file that is not a mapping is a `ConfigError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from error
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of key: value, not a {type(data).__name__}")
+    return data
+
+
+def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    config, rest = None, []
+    items = iter(argv)
+    for item in items:
+        if item == "--config":
+            config = next(items, None)
+            if config is None:
+                raise ConfigError("--config needs a file path")
+        elif item.startswith("--config="):
+            config = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    return config, rest
+
+
+def _flags_for(key: str, value: Any, action, source: str) -> list[str]:
+    flag = f"--{key}"
+    if isinstance(value, bool):
+        return [flag, str(value).lower()]
+    if isinstance(value, (list, tuple)):
+        if action.nargs not in ("+", "*"):
+            raise ConfigError(f"{source}: key {key!r} takes one value, got a list {value!r}")
+        return [flag, *(str(v) for v in value)]
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+def _unknown_key_error(key: str, known: list[str], source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{source}: unknown key {key!r}{hint}")
+
+
+def parse_config(parser: HfArgumentParser, argv: list[str]) -> tuple:
+    """Parse `argv` (`--config FILE` plus flags) into `parser`'s dataclasses; flags override the file."""
+    raising, args, cli_args, config_path = _flags_from(parser, argv)
+    try:
+        *outputs, remaining = raising.parse_args_into_dataclasses(
+            args=args, return_remaining_strings=True, look_for_args_file=False
+        )
+    except _ArgparseError as error:
+        raise ConfigError(_place(str(error), cli_args, config_path)) from None
+    except ConfigError:
+        raise
+    except ValueError as error:  # TrainingArguments' own checks of value combinations
+        raise ConfigError(f"invalid arguments: {error}") from None
+    _refuse_leftovers(remaining, raising)
+    return tuple(outputs)
+
+
+def check_config(parser: HfArgumentParser, argv: list[str]) -> dict[str, Any]:
+    """Check keys and value types as `parse_config` does, without building the dataclasses.
+
+    For configs meant for another machine: building `TrainingArguments` with `bf16: true` or a DeepSpeed
+    config fails on a CPU-only machine. Returns the parsed values by key.
+    """
+    raising, args, cli_args, config_path = _flags_from(parser, argv)
+    try:
+        namespace, remaining = raising.parse_known_args(args)
+    except _ArgparseError as error:
+        raise ConfigError(_place(str(error), cli_args, config_path)) from None
+    _refuse_leftovers(remaining, raising)
+    return vars(namespace)
+
+
+def _flags_from(parser: HfArgumentParser, argv: list[str]) -> tuple[_RaisingParser, list[str], list[str], str | None]:
+    """The config file's values as flags, then the command line's: one list for argparse, last one wins."""
+    config_path, cli_args = _split_config_flag(argv)
+    actions = _actions(parser)
+    raising = _RaisingParser(parser.dataclass_types, allow_abbrev=False)  # --learning_rat must not pass
+    file_args: list[str] = []
+    if config_path is not None:
+        source = f"config file {config_path}"
+        for key, value in load_yaml_config(config_path).items():
+            if key not in actions:
+                raise _unknown_key_error(str(key), sorted(actions), source)
+            if key in _flag_keys(cli_args):
+                continue  # the flag wins; the file's value is not even checked
+            if value is None:
+                raising.set_defaults(**{key: None})  # null means None, which no flag can say
+            else:
+                file_args += _flags_for(key, value, actions[key], source)
+    return raising, file_args + cli_args, cli_args, config_path
+
+
+def _actions(parser: HfArgumentParser) -> dict[str, Any]:
+    return {action.dest: action for action in parser._actions if action.option_strings}
+
+
+def _refuse_leftovers(remaining: list[str], parser: HfArgumentParser) -> None:
+    if not remaining:
+        return
+    unknown = next((item for item in remaining if item.startswith("-")), remaining[0])
+    if not unknown.startswith("-"):
+        raise ConfigError(f"command line: unexpected value {unknown!r} (flags take the form --key value)")
+    raise _unknown_key_error(unknown.lstrip("-").split("=")[0], sorted(_actions(parser)), "command line")
+
+
+def _place(message: str, cli_args: list[str], config_path: str | None) -> str:
+    """Rewrite argparse's "argument --key/--alias: problem" as "<source>: key 'key': problem"."""
+    named = re.match(r"argument --([\w-]+)(?:/--[\w-]+)*: (.*)", message, re.DOTALL)
+    if named is None:
+        return f"command line: {message}"
+    key, problem = named.group(1).replace("-", "_"), named.group(2)
+    on_command_line = key in _flag_keys(cli_args)
+    source = "command line" if config_path is None or on_command_line else f"config file {config_path}"
+    return f"{source}: key {key!r}: {problem}"
+
+
+def _flag_keys(cli_args: list[str]) -> set[str]:
+    """The keys that command-line flags set (`--max-length 3` and `--max_length=3` both set max_length)."""
+    return {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in cli_args if arg.startswith("--")}

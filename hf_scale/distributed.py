@@ -1,0 +1,63 @@
+"""Checks that the processes of a run really train together.
+
+On a machine without an accelerator, transformers and accelerate can start a multi-process run that is
+silently wrong: each process trains its own copy (world size 1 in every process), or a process group exists
+but the model is never wrapped in DDP, so gradients are never averaged and the replicas drift apart. These
+checks turn both into a clear error before or at the first step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from hf_scale.errors import DistributedSetupError
+
+FIX = (
+    "On a machine without an accelerator, multi-process training needs use_cpu=True (gloo DDP); "
+    "ScaleTrainingArguments sets it for you unless auto_cpu_ddp=False."
+)
+
+
+def launched_world_size() -> int:
+    """The number of processes the launcher (torchrun, accelerate, deepspeed) started, from `WORLD_SIZE`."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def has_accelerator() -> bool:
+    """Whether this process can see a GPU or another accelerator that torch supports."""
+    return torch.accelerator.is_available()
+
+
+def check_process_group(world_size: int, distributed_type: str) -> None:
+    """Refuse a run whose processes would not train together.
+
+    `world_size` is what the Trainer sees, `distributed_type` accelerate's mode (e.g. "MULTI_CPU", "NO").
+    """
+    launched = launched_world_size()
+    if launched > 1 and world_size != launched:
+        raise DistributedSetupError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}) but this process sees world "
+            f"size {world_size}: each process would train its own model. {FIX}"
+        )
+    if world_size > 1 and distributed_type == "NO":
+        raise DistributedSetupError(
+            f"world size is {world_size} but accelerate's distributed mode is NO: the model would not be "
+            f"wrapped for data parallel training and the replicas would drift apart. {FIX}"
+        )
+
+
+def check_model_is_wrapped(model: nn.Module, world_size: int) -> None:
+    """Refuse to take a training step when several processes train a model that nothing synchronises."""
+    if world_size <= 1:
+        return
+    wrapper = type(model).__name__
+    if wrapper not in {"DistributedDataParallel", "DeepSpeedEngine", "FullyShardedDataParallel"} and not hasattr(
+        model, "_fsdp_wrapped_module"
+    ):
+        raise DistributedSetupError(
+            f"world size is {world_size} but the model being trained is a plain {wrapper}, not wrapped for "
+            f"distributed training: gradients would not be averaged across processes. {FIX}"
+        )

@@ -1,0 +1,34 @@
+"""DeepSpeed ZeRO presets shipped as JSON beside this file, with "auto" wherever the HF integration fills values in."""
+
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+from typing import Any
+
+from hf_scale.errors import ConfigError
+
+
+def list_presets() -> list[str]:
+    """Names of the shipped presets, sorted."""
+    return sorted(
+        p.name.removesuffix(".json") for p in resources.files(__package__).iterdir() if p.name.endswith(".json")
+    )
+
+
+def zero_preset(name: str, **overrides: Any) -> dict[str, Any]:
+    """The preset called `name` as a dict (a fresh copy), with top-level `overrides` applied.
+
+    A dict override is merged one level deep, so `zero_optimization={"stage": 3}` changes the stage only.
+    """
+    known = list_presets()
+    if name not in known:
+        raise ConfigError(f"zero_preset: unknown preset {name!r}; known presets: {', '.join(known)}")
+    config = json.loads(resources.files(__package__).joinpath(f"{name}.json").read_text())
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **copy.deepcopy(value)}
+        else:
+            config[key] = copy.deepcopy(value)
+    return config

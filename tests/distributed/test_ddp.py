@@ -1,0 +1,111 @@
+"""Real multi-process runs on CPU: torchrun, gloo, one thread per process, a hard timeout on each launch."""
+
+import json
+
+import pytest
+
+from tests.helpers import free_port, python_bin, run_command
+
+WORKER = "tests/distributed/ddp_worker.py"
+pytestmark = pytest.mark.slow
+
+
+def reports(output_dir, world_size):
+    return [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir):
+    result = run_command(
+        [
+            python_bin("torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            WORKER,
+            "--output_dir",
+            str(tmp_path),
+        ],
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = reports(tmp_path, 2)
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    assert rank0["wrapper"] == rank1["wrapper"] == "DistributedDataParallel"
+    assert rank0["end_digest"] == rank1["end_digest"]  # identical replicas after training
+    assert rank0["end_digest"] != rank0["start_digest"]  # and they did train
+    assert "effective batch 16 = 8 per device x 2 process(es) x 1 accumulation step(s)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--auto_cpu_ddp", "false"],
+            "the launcher started 2 processes (WORLD_SIZE=2) but this process sees world size 1",
+        ),
+        (["--auto_cpu_ddp", "false", "--ddp_backend", "gloo"], "distributed mode is NO"),
+    ],
+)
+def test_unguarded_cpu_runs_are_refused(tmp_path, tiny_model_dir, flags, message):
+    result = run_command(
+        [
+            python_bin("torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            WORKER,
+            "--output_dir",
+            str(tmp_path),
+            *flags,
+        ],
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert not list(tmp_path.glob("rank*.json"))  # nobody trained
+
+
+def test_two_nodes_on_loopback_train_together(tmp_path, tiny_model_dir):
+    import subprocess
+
+    from tests.helpers import REPO_ROOT, launch_env
+
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [
+                python_bin("torchrun"),
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                WORKER,
+                "--output_dir",
+                str(tmp_path),
+            ],
+            cwd=REPO_ROOT,
+            env=launch_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    node0, node1 = reports(tmp_path, 2)
+    assert node0["world_size"] == node1["world_size"] == 2
+    assert node0["wrapper"] == node1["wrapper"] == "DistributedDataParallel"
+    assert node0["end_digest"] == node1["end_digest"] != node0["start_digest"]

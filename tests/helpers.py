@@ -1,0 +1,47 @@
+"""Helpers for tests that launch processes: environment, hard timeouts, console scripts, free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """Environment for a launched training process: one thread, offline, CPU DeepSpeed, no stray launcher vars."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=str(REPO_ROOT),
+        PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    env.update(extra)
+    return env
+
+
+def run_command(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """Run a command with a hard timeout (a hang fails the test instead of stalling CI); output is kept."""
+    return subprocess.run(
+        args, cwd=REPO_ROOT, env=launch_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def python_bin(name: str) -> str:
+    """A console script (torchrun, accelerate, deepspeed) from the environment running the tests."""
+    return str(Path(sys.executable).parent / name)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,82 @@
+"""Every shipped config is valid, and a bad config stops the recipe before any work with one clear message."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.config import check_config, load_yaml_config
+from hf_scale.data.arguments import DataArguments
+from hf_scale.data.templates import TEMPLATES
+from hf_scale.modeling import ModelArguments
+from hf_scale.presets import list_presets
+from tests.helpers import REPO_ROOT, run_command
+
+CONFIGS = sorted((REPO_ROOT / "recipes" / "configs").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((REPO_ROOT / "recipes" / "accelerate").glob("*.yaml"))
+RECIPE = "recipes/finetune_llama2.py"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_are_valid(config):
+    parser = HfArgumentParser((ModelArguments, DataArguments, ScaleTrainingArguments))
+    values = check_config(parser, ["--config", str(config)])
+    assert values["template"] in TEMPLATES
+    assert values["zero_preset"] is None or values["zero_preset"] in list_presets()
+    if config.name != "tiny_cpu.yaml":
+        assert values["model_name_or_path"].startswith("meta-llama/Llama-2-")
+        assert values["dataset"] == "silk-road/alpaca-data-gpt4-chinese"
+        assert values["bf16"] is True and values["lr_scheduler_type"] == "cosine" and values["warmup_steps"] > 0
+        assert "Expected memory per GPU" in config.read_text()
+
+
+@pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_accelerate_configs_load(config):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(config))
+    assert loaded.num_processes == 8 * loaded.num_machines or loaded.num_processes == 4
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--learning_rat", "1e-3"], "command line: unknown key 'learning_rat' (did you mean 'learning_rate'?)"),
+        (["--model_name_or_path", "./no/such/model"], "model_name_or_path: model folder not found: ./no/such/model"),
+        (["--dataset", "missing/data.json"], "dataset: data file not found: missing/data.json"),
+        (["--global_batch_size", "30"], "global_batch_size=30 cannot be reached with per_device_train_batch_size=32"),
+        (["--template", "vicuna"], "template: unknown template 'vicuna'; known templates: alpaca"),
+    ],
+)
+def test_bad_config_stops_before_training(tmp_path, hf_scale_cache, flags, message):
+    output_dir = tmp_path / "run"
+    result = run_command([sys.executable, RECIPE, "--output_dir", str(output_dir), *flags], timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"error: {message}" in result.stderr
+    assert result.stderr.count("error:") == 1
+    assert not output_dir.exists()
+
+
+def test_unknown_key_in_a_config_file_names_the_file(tmp_path, hf_scale_cache):
+    config = tmp_path / "bad.yaml"
+    config.write_text(Path(REPO_ROOT / "recipes/configs/tiny_cpu.yaml").read_text() + "warmup_ratio: 0.1\n")
+    result = run_command([sys.executable, RECIPE, "--config", str(config)], timeout=120)
+    assert result.returncode == 2
+    assert f"error: config file {config}: unknown key 'warmup_ratio'" in result.stderr
+
+
+def test_model_folder_without_weights(tmp_path, hf_scale_cache):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    result = run_command(
+        [sys.executable, RECIPE, "--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "o")], timeout=120
+    )
+    assert result.returncode == 2
+    assert f"error: model_name_or_path: folder {folder} has no weights" in result.stderr
+
+
+def test_tiny_config_is_the_default():
+    assert load_yaml_config(REPO_ROOT / "recipes/configs/tiny_cpu.yaml").get("model_name_or_path") is None

@@ -1,0 +1,53 @@
+import pytest
+
+import hf_scale.arguments
+from hf_scale.arguments import ScaleTrainingArguments, accumulation_for_global_batch
+from hf_scale.errors import ConfigError
+
+
+def launched(monkeypatch, processes: int) -> None:
+    """Pretend a launcher started `processes` processes (a real WORLD_SIZE would make accelerate rendezvous)."""
+    monkeypatch.setattr(hf_scale.arguments, "launched_world_size", lambda: processes)
+
+
+def test_global_batch_sets_accumulation(monkeypatch, tmp_path):
+    launched(monkeypatch, 4)
+    args = ScaleTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, global_batch_size=64)
+    assert args.gradient_accumulation_steps == 8
+
+
+def test_global_batch_that_cannot_fit_the_process_count(monkeypatch, tmp_path):
+    launched(monkeypatch, 3)
+    with pytest.raises(ConfigError, match=r"global_batch_size=64 .* per_device_train_batch_size=2 on 3 process"):
+        ScaleTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, global_batch_size=64)
+
+
+@pytest.mark.parametrize("global_batch, per_device, world, expected", [(32, 32, 1, 1), (64, 2, 4, 8), (128, 1, 16, 8)])
+def test_accumulation_arithmetic(global_batch, per_device, world, expected):
+    assert accumulation_for_global_batch(global_batch, per_device, world) == expected
+    assert per_device * world * expected == global_batch
+
+
+def test_cpu_multi_process_runs_get_use_cpu(monkeypatch, tmp_path):
+    launched(monkeypatch, 2)
+    assert ScaleTrainingArguments(output_dir=str(tmp_path)).use_cpu is True
+    assert ScaleTrainingArguments(output_dir=str(tmp_path), auto_cpu_ddp=False).use_cpu is False
+    launched(monkeypatch, 1)
+    assert ScaleTrainingArguments(output_dir=str(tmp_path)).use_cpu is False
+
+
+def test_zero_preset_and_deepspeed_together_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="zero_preset and deepspeed are both set"):
+        ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="zero2", deepspeed={"train_batch_size": 8})
+
+
+def test_unknown_zero_preset_lists_the_known_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown preset 'zero9'; known presets: .*zero2.*zero3"):
+        ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="zero9")
+
+
+def test_resume_needs_a_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="resume: output_dir .* does not exist"):
+        ScaleTrainingArguments(output_dir=str(tmp_path / "missing"), resume=True)
+    with pytest.raises(ConfigError, match="resume: no checkpoint-"):
+        ScaleTrainingArguments(output_dir=str(tmp_path), resume=True)

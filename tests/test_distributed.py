@@ -1,0 +1,32 @@
+import pytest
+from torch import nn
+
+from hf_scale.distributed import check_model_is_wrapped, check_process_group
+from hf_scale.errors import DistributedSetupError
+
+
+def test_independent_copies_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistributedSetupError, match=r"started 2 processes .* sees world size 1.*use_cpu=True"):
+        check_process_group(world_size=1, distributed_type="NO")
+
+
+def test_process_group_without_ddp_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistributedSetupError, match="distributed mode is NO"):
+        check_process_group(world_size=2, distributed_type="NO")
+
+
+def test_real_distributed_runs_pass(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_process_group(world_size=2, distributed_type="MULTI_CPU")
+    check_process_group(world_size=2, distributed_type="DEEPSPEED")
+    monkeypatch.delenv("WORLD_SIZE")
+    check_process_group(world_size=1, distributed_type="NO")
+
+
+def test_plain_model_in_a_multi_process_run_is_refused():
+    model = nn.Linear(2, 2)
+    check_model_is_wrapped(model, world_size=1)
+    with pytest.raises(DistributedSetupError, match="plain Linear, not wrapped"):
+        check_model_is_wrapped(model, world_size=2)
