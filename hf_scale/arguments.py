@@ -46,8 +46,10 @@ class ScaleTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         world_size = launched_world_size()
-        if self.auto_cpu_ddp and world_size > 1 and not has_accelerator():
-            self.use_cpu = True
+        if not has_accelerator():
+            self.dataloader_pin_memory = False  # nothing to pin for; torch warns on every loader otherwise
+            if self.auto_cpu_ddp and world_size > 1:
+                self.use_cpu = True
         if self.zero_preset:
             if self.deepspeed:
                 raise ConfigError("zero_preset and deepspeed are both set: give one DeepSpeed config, not two")

@@ -59,5 +59,7 @@ def check_model_is_wrapped(model: nn.Module, world_size: int) -> None:
     ):
         raise DistributedSetupError(
             f"world size is {world_size} but the model being trained is a plain {wrapper}, not wrapped for "
-            f"distributed training: gradients would not be averaged across processes. {FIX}"
+            "distributed training: gradients would not be averaged across processes. Known causes: no "
+            "accelerator and use_cpu unset (ScaleTrainingArguments sets it unless auto_cpu_ddp=False); "
+            "the stock Trainer's evaluate() called before train() (ScaleTrainer undoes that)."
         )

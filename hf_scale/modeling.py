@@ -79,10 +79,11 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(args: ModelArguments, name: str) -> PreTrainedModel:
-    """The causal LM, wrapped with LoRA adapters when `lora_r` > 0."""
+def load_model(args: ModelArguments, name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """The causal LM, told the tokenizer's pad token, wrapped with LoRA adapters when `lora_r` > 0."""
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=args.attn_implementation)
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
     if args.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 

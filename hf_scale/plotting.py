@@ -13,7 +13,13 @@ def plot_loss_curve(log_history: list[dict], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     train = [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry and "step" in entry]
-    evals = [(entry["step"], entry["eval_loss"]) for entry in log_history if "eval_loss" in entry]
+    # eval_loss during training; eval_before_loss / eval_after_loss from the recipe's own evaluations
+    evals = [
+        (entry["step"], value)
+        for entry in log_history
+        for key, value in entry.items()
+        if key.startswith("eval") and key.endswith("_loss")
+    ]
     figure, axes = plt.subplots(figsize=(7, 4))
     if train:
         axes.plot([step for step, _ in train], [loss for _, loss in train], label="train loss")

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.distributed import check_model_is_wrapped, check_process_group
@@ -33,6 +34,31 @@ class ScaleTrainer(Trainer):
         if self.is_world_process_zero():
             print(describe_batch(self.args), flush=True)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        not_yet_wrapped = self.model_wrapped is self.model
+        zero12_before_train = self.is_deepspeed_enabled and self.deepspeed is None and not is_deepspeed_zero3_enabled()
+        if zero12_before_train:
+            # The stock Trainer refuses ZeRO-1/2 evaluation before train() ("ZeRO inference only makes sense with
+            # ZeRO Stage 3"). Under those stages every rank holds the whole model: evaluate it as DDP would.
+            self.is_deepspeed_enabled = False
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self.is_deepspeed_enabled = self.is_deepspeed_enabled or zero12_before_train
+            if not_yet_wrapped and self.model_wrapped is self.model:
+                self._forget_evaluation_preparation()
+
+    def _forget_evaluation_preparation(self) -> None:
+        """Undo what evaluating before train() leaves behind, so that train() still wraps the model.
+
+        `Accelerator.prepare_model(model, evaluation_mode=True)` marks the bare model as prepared and records
+        it; a later `prepare(model, optimizer)` then returns it unwrapped, and multi-process training runs
+        without DDP (replicas drift apart, silently), and `save_state` would save the model twice.
+        """
+        if getattr(self.model, "_is_accelerate_prepared", False):
+            del self.model._is_accelerate_prepared
+        self.accelerator._models = [model for model in self.accelerator._models if model is not self.model]
 
     def training_step(
         self,

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> dict:
     eval_dataset, eval_summary = tokenize_records(eval_records, tokenizer, template, data_args.max_length)
 
     # 4. Model and trainer.
-    model = load_model(model_args, model_path)
+    model = load_model(model_args, model_path, tokenizer)
     trainer = ScaleTrainer(
         model=model,
         args=args,

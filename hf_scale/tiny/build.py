@@ -65,6 +65,9 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
+        # LLaMA's 0.02 suits width 4096; at width 64 it leaves attention nearly uniform and the model sits on a
+        # loss plateau for hundreds of steps (measured: held-out exact match 0.28 vs 0.99 after 1200 steps).
+        initializer_range=0.1,
     )
     torch.manual_seed(TINY_MODEL_SEED)
     return LlamaForCausalLM(config)

@@ -30,6 +30,8 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def main() -> None:
+    evaluate_first = "--evaluate_first" in sys.argv  # the stock Trainer then trains without DDP
+    argv = [arg for arg in sys.argv[1:] if arg != "--evaluate_first"]
     (args,) = HfArgumentParser(ScaleTrainingArguments).parse_args_into_dataclasses(
         [
             "--max_steps",
@@ -48,7 +50,7 @@ def main() -> None:
             "false",
             "--disable_tqdm",
             "true",
-            *sys.argv[1:],
+            *argv,
         ],
         look_for_args_file=False,
     )
@@ -63,9 +65,12 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=dataset,
+        eval_dataset=dataset.select(range(32)),
         data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX),
         processing_class=tokenizer,
     )
+    if evaluate_first:
+        trainer.evaluate()
     trainer.train()
     report = {
         "rank": args.process_index,

@@ -14,7 +14,8 @@ def reports(output_dir, world_size):
     return [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
-def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("evaluate_first", [False, True], ids=["train", "evaluate-then-train"])
+def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir, evaluate_first):
     result = run_command(
         [
             python_bin("torchrun"),
@@ -25,6 +26,7 @@ def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir):
             WORKER,
             "--output_dir",
             str(tmp_path),
+            *(["--evaluate_first"] if evaluate_first else []),
         ],
         timeout=300,
     )

@@ -53,6 +53,8 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, hf_scale_cache):
         "10",
         "--logging_steps",
         "5",
+        "--save_total_limit",
+        "3",
     ]
     first = run_command([*common, "--max_steps", "20"], timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -91,3 +93,34 @@ def test_recipe_under_torchrun_is_real_ddp(tmp_path, hf_scale_cache):
     assert metrics["effective_batch_size"] == 2 * metrics["effective_batch_size"] // 2
     assert metrics["eval_after_loss"] < metrics["eval_before_loss"]
     assert "x 2 process(es)" in result.stdout
+
+
+def test_recipe_under_the_deepspeed_launcher_with_zero2(tmp_path, hf_scale_cache):
+    output_dir = tmp_path / "run"
+    result = run_command(
+        [
+            python_bin("deepspeed"),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            RECIPE,
+            "--zero_preset",
+            "zero2",
+            "--output_dir",
+            str(output_dir),
+            "--max_steps",
+            "30",
+            "--exact_match_samples",
+            "40",
+            "--save_strategy",
+            "no",
+        ],
+        timeout=600,
+        LOCAL_SIZE="2",  # DeepSpeed's CPU accelerator counts its "devices" from LOCAL_SIZE
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["world_size"] == 2
+    assert metrics["eval_after_loss"] < metrics["eval_before_loss"]  # evaluated before train() too, under ZeRO-2
+    assert (output_dir / "model.safetensors").is_file()
