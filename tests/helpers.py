@@ -45,3 +45,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def torchrun(script: str, *args: str, processes: int = 2) -> list[str]:
+    """The command line that starts `script` on `processes` local processes on a free port."""
+    return [
+        python_bin("torchrun"),
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        script,
+        *args,
+    ]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.helpers import free_port, python_bin, run_command
+from tests.helpers import free_port, python_bin, run_command, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
 pytestmark = pytest.mark.slow
@@ -16,20 +16,8 @@ def reports(output_dir, world_size):
 
 @pytest.mark.parametrize("evaluate_first", [False, True], ids=["train", "evaluate-then-train"])
 def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir, evaluate_first):
-    result = run_command(
-        [
-            python_bin("torchrun"),
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            WORKER,
-            "--output_dir",
-            str(tmp_path),
-            *(["--evaluate_first"] if evaluate_first else []),
-        ],
-        timeout=300,
-    )
+    flags = ["--evaluate_first"] if evaluate_first else []
+    result = run_command(torchrun(WORKER, "--output_dir", str(tmp_path), *flags), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rank0, rank1 = reports(tmp_path, 2)
     assert rank0["world_size"] == rank1["world_size"] == 2
@@ -50,20 +38,7 @@ def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir, evaluate
     ],
 )
 def test_unguarded_cpu_runs_are_refused(tmp_path, tiny_model_dir, flags, message):
-    result = run_command(
-        [
-            python_bin("torchrun"),
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            WORKER,
-            "--output_dir",
-            str(tmp_path),
-            *flags,
-        ],
-        timeout=300,
-    )
+    result = run_command(torchrun(WORKER, "--output_dir", str(tmp_path), *flags), timeout=300)
     assert result.returncode != 0
     assert message in result.stderr
     assert not list(tmp_path.glob("rank*.json"))  # nobody trained

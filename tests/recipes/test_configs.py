@@ -37,7 +37,11 @@ def test_accelerate_configs_load(config):
     from accelerate.commands.config.config_args import load_config_from_file
 
     loaded = load_config_from_file(str(config))
-    assert loaded.num_processes == 8 * loaded.num_machines or loaded.num_processes == 4
+    assert loaded.distributed_type == "MULTI_GPU"
+    # the file name says GPUs per node: 1node_4gpu, 2nodes_8gpu
+    assert f"{loaded.num_machines}node" in config.name
+    assert f"_{loaded.num_processes // loaded.num_machines}gpu" in config.name
+    assert loaded.num_processes % loaded.num_machines == 0
 
 
 @pytest.mark.parametrize(

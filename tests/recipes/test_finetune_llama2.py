@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_scale.data.templates import ALPACA
 from hf_scale.evaluation import greedy_exact_match
 from hf_scale.tiny import generate_tasks
-from tests.helpers import free_port, python_bin, run_command
+from tests.helpers import free_port, python_bin, run_command, torchrun
 
 RECIPE = "recipes/finetune_llama2.py"
 pytestmark = pytest.mark.slow
@@ -70,29 +70,14 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, hf_scale_cache):
 
 def test_recipe_under_torchrun_is_real_ddp(tmp_path, hf_scale_cache):
     output_dir = tmp_path / "run"
-    result = run_command(
-        [
-            python_bin("torchrun"),
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            RECIPE,
-            "--output_dir",
-            str(output_dir),
-            "--max_steps",
-            "30",
-            "--exact_match_samples",
-            "40",
-        ],
-        timeout=400,
-    )
+    flags = ["--output_dir", str(output_dir), "--max_steps", "30", "--exact_match_samples", "40"]
+    result = run_command(torchrun(RECIPE, *flags), timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2
-    assert metrics["effective_batch_size"] == 2 * metrics["effective_batch_size"] // 2
+    assert metrics["effective_batch_size"] == 64  # 32 per device x 2 processes
     assert metrics["eval_after_loss"] < metrics["eval_before_loss"]
-    assert "x 2 process(es)" in result.stdout
+    assert "effective batch 64 = 32 per device x 2 process(es) x 1 accumulation step(s)" in result.stdout
 
 
 def test_recipe_under_the_deepspeed_launcher_with_zero2(tmp_path, hf_scale_cache):
