@@ -10,6 +10,7 @@ from transformers import Trainer
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.data.batching import is_packed_batch
 from hf_scale.distributed import check_model_is_wrapped, check_process_group
 
 
@@ -59,6 +60,13 @@ class ScaleTrainer(Trainer):
         if getattr(self.model, "_is_accelerate_prepared", False):
             del self.model._is_accelerate_prepared
         self.accelerator._models = [model for model in self.accelerator._models if model is not self.model]
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        if is_packed_batch(inputs):
+            # With a KV cache (use_cache=True in the model config) transformers skips the block-diagonal mask
+            # that position_ids imply, and packed examples silently attend to each other.
+            inputs = {**inputs, "use_cache": False}
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     def training_step(
         self,

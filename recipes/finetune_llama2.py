@@ -18,16 +18,19 @@ Every config key is also a flag, and flags win: `--learning_rate 3e-5 --output_d
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
-from transformers import DataCollatorForSeq2Seq, HfArgumentParser
+from transformers import HfArgumentParser
 
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.config import parse_config
 from hf_scale.data.arguments import DataArguments
+from hf_scale.data.batching import make_collator
 from hf_scale.data.loading import load_records, split_records
-from hf_scale.data.templates import get_template
-from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
+from hf_scale.data.summary import batching_of, describe_data, render_masked_example
+from hf_scale.data.templates import CHAT_TEMPLATE, get_template
+from hf_scale.data.tokenize import tokenize_records
 from hf_scale.errors import HfScaleError
 from hf_scale.evaluation import greedy_exact_match
 from hf_scale.modeling import ModelArguments, check_model_path, load_model, load_tokenizer
@@ -44,27 +47,39 @@ def main(argv: list[str]) -> dict:
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     parser = HfArgumentParser((ModelArguments, DataArguments, ScaleTrainingArguments))
     model_args, data_args, args = parse_config(parser, argv)
-    template = get_template(data_args.template)
+    if data_args.template != CHAT_TEMPLATE:  # the tokenizer's chat template is checked once it is loaded
+        get_template(data_args.template, data_args.system_prompt)
     if model_args.model_name_or_path:
         check_model_path(model_args.model_name_or_path)
 
-    # 2. Data: Alpaca records, checked one by one, and a held-out split.
+    # 2. Data: Alpaca records, each one checked, and a held-out split.
+    load = partial(load_records, fields=data_args.fields, on_bad_record=data_args.on_bad_record)
     if data_args.dataset is None:
         train_records, eval_records = generate_tasks()
     elif data_args.eval_dataset:
-        train_records = load_records(data_args.dataset)
-        eval_records = load_records(data_args.eval_dataset, key="eval_dataset")
+        train_records, train_check = load(data_args.dataset)
+        eval_records, eval_check = load(data_args.eval_dataset, key="eval_dataset")
     else:
-        train_records, eval_records = split_records(load_records(data_args.dataset), data_args.eval_ratio, args.seed)
+        records, train_check = load(data_args.dataset)
+        train_records, eval_records = split_records(records, data_args.eval_ratio, args.seed)
 
-    # 3. Tokenizer and tokenized examples, labels masked on the prompt.
+    # 3. Tokenizer and tokenized examples, labels exactly on the response and EOS.
     model_path = model_args.model_name_or_path
     if model_path is None:
         with args.main_process_first(desc="building the embedded tiny model"):
             model_path = str(ensure_tiny_model())
     tokenizer = load_tokenizer(model_path)
-    train_dataset, train_summary = tokenize_records(train_records, tokenizer, template, data_args.max_length)
-    eval_dataset, eval_summary = tokenize_records(eval_records, tokenizer, template, data_args.max_length)
+    template = get_template(data_args.template, data_args.system_prompt, tokenizer)
+    tokenize = partial(
+        tokenize_records,
+        tokenizer=tokenizer,
+        template=template,
+        max_length=data_args.max_length,
+        train_on_inputs=data_args.train_on_inputs,
+        truncation=data_args.truncation,
+    )
+    train_dataset, train_summary = tokenize(train_records)
+    eval_dataset, eval_summary = tokenize(eval_records)
 
     # 4. Model and trainer.
     model = load_model(model_args, model_path, tokenizer)
@@ -73,13 +88,23 @@ def main(argv: list[str]) -> dict:
         args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=8),
+        data_collator=make_collator(tokenizer, data_args.packing, data_args.pad_to_multiple_of),
         processing_class=tokenizer,
     )
     say = print if trainer.is_world_process_zero() else (lambda *_, **__: None)
     say(f"model: {model_path} ({model.num_parameters() / 1e6:.2f}M parameters)")
-    say(f"train data: {train_summary}")
-    say(f"eval data: {eval_summary}")
+    if data_args.dataset is not None:
+        say(train_check if not data_args.eval_dataset else f"{train_check}\n{eval_check}")
+    batching = batching_of(data_args.packing, args.train_sampling_strategy)
+    for name, summary, dataset in (("train", train_summary, train_dataset), ("eval", eval_summary, eval_dataset)):
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        say(
+            describe_data(
+                name, summary, lengths, args.per_device_train_batch_size, batching, data_args.pad_to_multiple_of
+            )
+        )
+    say("one training example as the model sees it (trained-on spans in ⟦ ⟧):")
+    say(render_masked_example(tokenizer, train_dataset[0]["input_ids"], train_dataset[0]["labels"]))
 
     # 5. Evaluate, train, evaluate again: eval loss and held-out greedy exact match.
     exact_match_records = eval_records[: data_args.exact_match_samples]

@@ -1,6 +1,13 @@
-"""`DataArguments`: where the instruction data comes from and how it becomes training examples."""
+"""`DataArguments`: where the instruction data comes from and how it becomes training batches.
+
+No `from __future__ import annotations` here: `HfArgumentParser` reads the field types at run time.
+"""
 
 from dataclasses import dataclass, field
+
+from hf_scale.data.loading import FieldNames
+from hf_scale.data.tokenize import TRUNCATION_POLICIES
+from hf_scale.errors import ConfigError
 
 
 @dataclass
@@ -10,8 +17,8 @@ class DataArguments:
     dataset: str | None = field(
         default=None,
         metadata={
-            "help": "Alpaca-format data (`instruction`, `input`, `output`): a .json/.jsonl file or a hub dataset id "
-            "such as silk-road/alpaca-data-gpt4-chinese. Empty: the embedded generated tasks."
+            "help": "Alpaca-format data: a .json/.jsonl/.csv/.parquet file or folder, or a hub dataset id such as "
+            "silk-road/alpaca-data-gpt4-chinese. Empty: the embedded generated tasks."
         },
     )
     eval_dataset: str | None = field(
@@ -20,10 +27,46 @@ class DataArguments:
     eval_ratio: float = field(
         default=0.05, metadata={"help": "Share of `dataset` held out for evaluation when eval_dataset is empty."}
     )
-    template: str = field(default="alpaca", metadata={"help": "Prompt template name (see hf_scale.data.templates)."})
-    max_length: int = field(
-        default=512,
-        metadata={"help": "Longest example in tokens; longer ones keep their prompt and lose the end of the response."},
+    instruction_field: str = field(default="instruction", metadata={"help": "Column holding the instruction."})
+    input_field: str = field(default="input", metadata={"help": "Column holding the optional input."})
+    output_field: str = field(default="output", metadata={"help": "Column holding the response."})
+    on_bad_record: str = field(
+        default="error",
+        metadata={
+            "help": "A record with a missing, non-text or empty field: 'error' stops naming the record and field; "
+            "'skip' skips it and reports the count and the first indices."
+        },
+    )
+    template: str = field(
+        default="alpaca",
+        metadata={
+            "help": "Prompt template: alpaca, alpaca_zh, llama2_chat, chat_template (the tokenizer's own), or a JSON "
+            'user template {"with_input": ..., "without_input": ..., "response": "{output}"}.'
+        },
+    )
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "System prompt for llama2_chat and chat_template."}
+    )
+    max_length: int = field(default=512, metadata={"help": "Longest example in tokens."})
+    truncation: str = field(
+        default="keep_prompt",
+        metadata={
+            "help": "Over-long records: keep_prompt (cut the end of the response), cut_prompt_left (cut the start "
+            "of the prompt) or drop. Every cut or dropped record is counted in the summary."
+        },
+    )
+    train_on_inputs: bool = field(
+        default=False, metadata={"help": "Train on the prompt tokens too (by default only the response and EOS)."}
+    )
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "Padding-free packing: each batch is one row with per-example position_ids, no example "
+            "attending to another. Otherwise batches are padded to their longest example."
+        },
+    )
+    pad_to_multiple_of: int | None = field(
+        default=8, metadata={"help": "Round padded batch widths up to a multiple of this (tensor-core friendly)."}
     )
     exact_match_samples: int = field(
         default=200,
@@ -32,11 +75,17 @@ class DataArguments:
     max_new_tokens: int = field(default=32, metadata={"help": "Longest generated response when scoring exact match."})
 
     def __post_init__(self):
-        from hf_scale.errors import ConfigError
-
         if not 0 < self.eval_ratio < 1:
             raise ConfigError(f"eval_ratio must be between 0 and 1 (exclusive), got {self.eval_ratio}")
         if self.max_length < 2:
             raise ConfigError(f"max_length must be at least 2 tokens, got {self.max_length}")
         if self.exact_match_samples < 0:
             raise ConfigError(f"exact_match_samples must be 0 or more, got {self.exact_match_samples}")
+        if self.truncation not in TRUNCATION_POLICIES:
+            raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION_POLICIES)}, got {self.truncation!r}")
+        if self.on_bad_record not in ("error", "skip"):
+            raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {self.on_bad_record!r}")
+
+    @property
+    def fields(self) -> FieldNames:
+        return FieldNames(self.instruction_field, self.input_field, self.output_field)

@@ -1,15 +1,44 @@
-"""Load Alpaca-format records from a file, a hub dataset or the embedded tasks, and check every one."""
+"""Load Alpaca-format records from files, folders, a hub dataset, an in-memory `Dataset` or the embedded tasks,
+and check every record before any work starts."""
 
 from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from datasets import Dataset
 
 from hf_scale.errors import ConfigError, DataError
 
 FILE_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-REQUIRED_FIELDS = ("instruction", "output")
+OnBadRecord = Literal["error", "skip"]
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """Which columns hold the instruction, the optional input and the response (e.g. prompt/response sets)."""
+
+    instruction: str = "instruction"
+    input: str = "input"
+    output: str = "output"
+
+
+@dataclass
+class RecordCheck:
+    """The outcome of checking records: how many were skipped, which, and why (the first few)."""
+
+    source: str
+    records: int
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # (record index, problem)
+
+    def __str__(self) -> str:
+        if not self.skipped:
+            return f"{self.source}: {self.records} records, all valid"
+        shown = "; ".join(f"record {index}: {problem}" for index, problem in self.skipped[:5])
+        return f"{self.source}: skipped {len(self.skipped)} of {self.records} invalid records (first: {shown})"
 
 
 def looks_like_local_path(name: str) -> bool:
@@ -18,50 +47,101 @@ def looks_like_local_path(name: str) -> bool:
         name.startswith(("/", "./", "../", "~"))
         or Path(name).suffix in FILE_SUFFIXES
         or name.count("/") > 1
-        or os.sep in name
-        and os.sep != "/"
+        or (os.sep in name and os.sep != "/")
     )
 
 
-def load_records(name: str, key: str = "dataset") -> list[dict[str, str]]:
-    """Records from a local .json/.jsonl/.csv/.parquet file or a hub dataset id, checked by `check_records`.
+def _data_files(path: Path, key: str, name: str) -> tuple[str, list[str]]:
+    """The `datasets` builder and files for a file or a folder of files of one kind."""
+    files = sorted(p for p in path.iterdir() if p.suffix in FILE_SUFFIXES) if path.is_dir() else [path]
+    if path.is_file() and path.suffix not in FILE_SUFFIXES:
+        raise ConfigError(f"{key}: {name} is not a {'/'.join(FILE_SUFFIXES)} file")
+    if not files:
+        raise ConfigError(f"{key}: folder {name} holds no {'/'.join(FILE_SUFFIXES)} files")
+    builders = {FILE_SUFFIXES[p.suffix] for p in files}
+    if len(builders) > 1:
+        raise ConfigError(f"{key}: folder {name} mixes file kinds ({', '.join(sorted(builders))}); keep one kind")
+    return builders.pop(), [str(p) for p in files]
 
+
+def load_records(
+    data: str | Dataset,
+    key: str = "dataset",
+    fields: FieldNames = FieldNames(),
+    on_bad_record: OnBadRecord = "error",
+) -> tuple[list[dict[str, str]], RecordCheck]:
+    """Records from a .json/.jsonl/.csv/.parquet file or folder, a hub dataset id or a `Dataset`, checked.
+
+    Returns the valid records with the fields renamed to instruction/input/output, and the check's outcome.
     `key` is the config key that named the data, for error messages.
     """
     from datasets import load_dataset
 
-    path = Path(name).expanduser()
-    if path.exists() or looks_like_local_path(name):
-        if not path.is_file():
-            raise ConfigError(f"{key}: data file not found: {name}")
-        if path.suffix not in FILE_SUFFIXES:
-            raise ConfigError(f"{key}: {name} is not a {'/'.join(FILE_SUFFIXES)} file")
-        try:
-            dataset = load_dataset(FILE_SUFFIXES[path.suffix], data_files=str(path), split="train")
-        except Exception as error:  # datasets raises many types for a malformed file
-            raise DataError(f"{key}: could not read {name}: {error}") from error
+    if isinstance(data, Dataset):
+        dataset, name = data, "the given Dataset"
     else:
-        dataset = load_dataset(name, split="train")
-    records = dataset.to_list()
-    check_records(records, source=name)
-    return records
+        name = data
+        path = Path(data).expanduser()
+        if path.exists() or looks_like_local_path(data):
+            if not path.exists():
+                raise ConfigError(f"{key}: data file not found: {data}")
+            builder, files = _data_files(path, key, data)
+            try:
+                records = load_dataset(builder, data_files=files, split="train").to_list()
+            except UnicodeDecodeError as error:
+                raise DataError(f"{key}: {data} is not valid UTF-8 text: {error}") from error
+            except Exception as error:  # datasets raises many types for a malformed file
+                raise DataError(f"{key}: could not read {data}: {error}") from error
+            return check_records(records, source=name, fields=fields, on_bad_record=on_bad_record)
+        dataset = load_dataset(data, split="train")
+    return check_records(dataset.to_list(), source=name, fields=fields, on_bad_record=on_bad_record)
 
 
-def check_records(records: list[dict], source: str) -> None:
-    """Raise a `DataError` naming the first record and field that is not a usable Alpaca record."""
+def _problem(record: dict, fields: FieldNames) -> str | None:
+    for role, column in (("instruction", fields.instruction), ("input", fields.input), ("output", fields.output)):
+        value = record.get(column)
+        if value is None:
+            if role == "input":
+                continue  # no input is an empty input
+            return f"missing field {column!r}"
+        if not isinstance(value, str):
+            return f"field {column!r} must be text, got {type(value).__name__}"
+        if "\ufffd" in value:
+            return f"field {column!r} holds undecodable bytes (U+FFFD): the file is not valid UTF-8"
+    if not record[fields.output].strip():
+        return f"field {fields.output!r} is empty"
+    if not record[fields.instruction].strip():
+        return f"field {fields.instruction!r} is empty"
+    return None
+
+
+def check_records(
+    records: list[dict], source: str, fields: FieldNames = FieldNames(), on_bad_record: OnBadRecord = "error"
+) -> tuple[list[dict[str, str]], RecordCheck]:
+    """Check every record; stop at the first bad one (`"error"`) or skip and count them (`"skip"`)."""
+    if on_bad_record not in ("error", "skip"):
+        raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
     if not records:
         raise DataError(f"{source}: no records")
+    check = RecordCheck(source=source, records=len(records))
+    valid = []
     for index, record in enumerate(records):
-        for field in (*REQUIRED_FIELDS, "input"):
-            value = record.get(field)
-            if value is None and field == "input":
-                continue
-            if value is None:
-                raise DataError(f"{source}: record {index}: missing field {field!r}")
-            if not isinstance(value, str):
-                raise DataError(f"{source}: record {index}: field {field!r} must be text, got {type(value).__name__}")
-        if not record["output"].strip():
-            raise DataError(f"{source}: record {index}: field 'output' is empty")
+        problem = _problem(record, fields) if isinstance(record, dict) else "not a mapping of fields"
+        if problem is None:
+            valid.append(
+                {
+                    "instruction": record[fields.instruction],
+                    "input": record.get(fields.input) or "",
+                    "output": record[fields.output],
+                }
+            )
+        elif on_bad_record == "error":
+            raise DataError(f"{source}: record {index}: {problem} (on_bad_record='skip' skips and counts such records)")
+        else:
+            check.skipped.append((index, problem))
+    if not valid:
+        raise DataError(f"{check}: no valid record left")
+    return valid, check
 
 
 def split_records(

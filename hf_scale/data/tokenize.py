@@ -1,14 +1,18 @@
-"""Tokenize prompt/response pairs into `input_ids` and `labels` with the prompt masked out.
+"""Tokenize Alpaca records into `input_ids` and `labels` whose mask is exact.
 
-Prompt and response are tokenized separately and concatenated, so the boundary between them is a token
-boundary by construction: every response token and the EOS are trained on, every prompt token is -100,
-whatever merges the tokenizer would have made across the boundary. Generation tokenizes the prompt the
-same way, so the model is trained on exactly the token sequence it later continues.
+The whole text (prompt + response) is tokenized once, as the model will read it, and each token is labelled
+by where its characters lie: a token that ends inside the prompt is -100, every other token is trained on.
+So the mask follows whatever the tokenizer did at the boundary instead of assuming `len(tokenize(prompt))`
+(the Stanford-Alpaca way, off whenever BPE merges across the boundary). BOS is added once, EOS is appended
+and always labelled (also when pad == eos). Over-long records follow a truncation policy, and every record
+cut or dropped is counted in the summary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
@@ -16,6 +20,8 @@ from transformers import PreTrainedTokenizerBase
 from hf_scale.data.templates import PromptTemplate
 
 IGNORE_INDEX = -100
+Truncation = Literal["keep_prompt", "cut_prompt_left", "drop"]
+TRUNCATION_POLICIES = ("keep_prompt", "cut_prompt_left", "drop")
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
@@ -32,44 +38,104 @@ class TokenizationSummary:
     """What happened to the records on their way to examples; nothing is dropped without being counted."""
 
     records: int
-    examples: int
-    truncated: int  # kept, with the end of the response cut at max_length
-    dropped_no_response: int  # the prompt alone filled max_length: no token left to learn from
+    examples: int = 0
+    response_cut: int = 0  # kept, the end of the response cut at max_length (and no EOS: it did not end)
+    prompt_cut: int = 0  # kept, the start of the prompt cut (truncation="cut_prompt_left")
+    dropped_too_long: int = 0  # truncation="drop", or the response alone does not fit
+    dropped_no_response: int = 0  # the prompt alone fills max_length: no token left to learn from
+    boundary_merges: int = 0  # a token spans the prompt/response boundary; it is trained on
+    tokens: int = 0
+    label_tokens: int = 0
+    dropped_indices: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
+        dropped = self.dropped_too_long + self.dropped_no_response
+        first = f" (first: {self.dropped_indices[:5]})" if self.dropped_indices else ""
         return (
-            f"{self.records} records -> {self.examples} examples ({self.truncated} with the response cut at "
-            f"max_length, {self.dropped_no_response} dropped because the prompt alone fills max_length)"
+            f"{self.records} records -> {self.examples} examples, {self.tokens} tokens of which "
+            f"{self.label_tokens} trained on; {self.response_cut} with the response cut and "
+            f"{self.prompt_cut} with the prompt cut at max_length; {dropped} dropped{first} "
+            f"({self.dropped_no_response} because the prompt alone fills max_length, "
+            f"{self.dropped_too_long} too long); {self.boundary_merges} tokens span the prompt/response boundary"
         )
 
 
 def tokenize_records(
-    records: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, template: PromptTemplate, max_length: int
+    records: list[dict[str, str]],
+    tokenizer: PreTrainedTokenizerBase,
+    template: PromptTemplate,
+    max_length: int,
+    train_on_inputs: bool = False,
+    truncation: Truncation = "keep_prompt",
 ) -> tuple[Dataset, TokenizationSummary]:
     """Turn Alpaca records into a `Dataset` of `input_ids`, `attention_mask` and `labels`.
 
-    Labels cover the response and the EOS. An example longer than `max_length` keeps its prompt and loses the
-    end of its response; one whose prompt alone reaches `max_length` is dropped. Both are counted.
+    `truncation` for records longer than `max_length`: "keep_prompt" cuts the end of the response,
+    "cut_prompt_left" cuts the start of the prompt (after BOS), "drop" drops the record.
     """
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token: the model could never learn to stop")
-    prompts = [template.format_prompt(r["instruction"], r.get("input") or "") for r in records]
-    prompt_tokens = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    response_tokens = tokenizer([r["output"] for r in records], add_special_tokens=False)["input_ids"]
+    if truncation not in TRUNCATION_POLICIES:
+        raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+        warnings.warn("pad == eos: the EOS of every example is still labelled (labels come from lengths)", stacklevel=2)
 
+    prompts = [template.format_prompt(r["instruction"], r.get("input") or "") for r in records]
+    responses = [template.format_response(r["output"]) for r in records]
+    encoded = tokenizer(
+        [p + r for p, r in zip(prompts, responses, strict=True)], add_special_tokens=False, return_offsets_mapping=True
+    )
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    summary = TokenizationSummary(records=len(records))
     columns: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": [], "labels": []}
-    truncated = dropped = 0
-    for source, response in zip(prompt_tokens, response_tokens, strict=True):
-        source = _with_bos(tokenizer, source)
-        target = [*response, tokenizer.eos_token_id]
-        if len(source) >= max_length:
-            dropped += 1
+    for index, (prompt, ids, offsets) in enumerate(
+        zip(prompts, encoded["input_ids"], encoded["offset_mapping"], strict=True)
+    ):
+        boundary = len(prompt)
+        # a token is prompt when all its characters are; a token that straddles the boundary is trained on
+        n_prompt = sum(1 for _, end in offsets if end <= boundary)
+        summary.boundary_merges += sum(1 for start, end in offsets if start < boundary < end)
+        source = bos + ids[:n_prompt]
+        target = [*ids[n_prompt:], tokenizer.eos_token_id]
+        source, target = _fit(source, target, len(bos), max_length, truncation, summary, index)
+        if source is None:
             continue
-        if len(source) + len(target) > max_length:
-            truncated += 1
-        input_ids = (source + target)[:max_length]
-        columns["input_ids"].append(input_ids)
-        columns["attention_mask"].append([1] * len(input_ids))
-        columns["labels"].append(([IGNORE_INDEX] * len(source) + target)[:max_length])
-    summary = TokenizationSummary(len(records), len(columns["input_ids"]), truncated, dropped)
+        labels = (source if train_on_inputs else [IGNORE_INDEX] * len(source)) + target
+        if bos and train_on_inputs:
+            labels[0] = IGNORE_INDEX  # nothing predicts BOS
+        columns["input_ids"].append(source + target)
+        columns["attention_mask"].append([1] * (len(source) + len(target)))
+        columns["labels"].append(labels)
+        summary.examples += 1
+        summary.tokens += len(source) + len(target)
+        summary.label_tokens += sum(1 for label in labels[1:] if label != IGNORE_INDEX)
     return Dataset.from_dict(columns), summary
+
+
+def _fit(
+    source: list[int],
+    target: list[int],
+    n_bos: int,
+    max_length: int,
+    truncation: Truncation,
+    summary: TokenizationSummary,
+    index: int,
+) -> tuple[list[int] | None, list[int]]:
+    """Apply the truncation policy; return (None, []) for a dropped record, counting every change."""
+    excess = len(source) + len(target) - max_length
+    if excess <= 0:
+        return source, target
+    if truncation == "drop":
+        summary.dropped_too_long += 1
+    elif truncation == "cut_prompt_left":
+        if len(source) - n_bos > excess:
+            summary.prompt_cut += 1
+            return source[:n_bos] + source[n_bos + excess :], target
+        summary.dropped_too_long += 1  # even an empty prompt leaves the response too long
+    elif len(source) < max_length:
+        summary.response_cut += 1
+        return source, target[: max_length - len(source)]  # no EOS: the response did not end here
+    else:
+        summary.dropped_no_response += 1
+    summary.dropped_indices.append(index)
+    return None, []

@@ -1,8 +1,14 @@
+import json
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from hf_scale.data.templates import ALPACA
+from hf_scale.data.loading import load_records
+from hf_scale.data.templates import ALPACA, TEMPLATES, get_template
 from hf_scale.data.tokenize import IGNORE_INDEX, prompt_ids, tokenize_records
+from tests.helpers import SHARED_DATA
 
 RECORDS = [
     {"instruction": "Add one to the number.", "input": "41", "output": "42"},
@@ -11,37 +17,119 @@ RECORDS = [
 ]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def test_labels_are_exactly_the_response_and_eos(tokenizer):
-    dataset, summary = tokenize_records(RECORDS, tokenizer, ALPACA, max_length=256)
-    assert summary.examples == 3 and summary.truncated == 0 and summary.dropped_no_response == 0
-    for record, example in zip(RECORDS, dataset, strict=True):
-        prompt = prompt_ids(tokenizer, ALPACA.format_prompt(record["instruction"], record.get("input", "")))
-        response = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        assert example["input_ids"] == prompt + response
-        assert example["labels"] == [IGNORE_INDEX] * len(prompt) + response
-        assert example["input_ids"][0] == tokenizer.bos_token_id
-        assert example["input_ids"].count(tokenizer.bos_token_id) == 1
-        assert tokenizer.decode([t for t in example["labels"] if t != IGNORE_INDEX]) == record["output"] + "</s>"
+def check_exact(tokenizer, template, records, dataset, summary):
+    """The properties every tokenized example must have; returns nothing, asserts everything."""
+    assert summary.boundary_merges == 0
+    for record, example in zip(records, dataset, strict=True):
+        prompt = template.format_prompt(record["instruction"], record.get("input") or "")
+        response = template.format_response(record["output"])
+        ids, labels = example["input_ids"], example["labels"]
+        # no boundary drift: the example is the tokenization of the whole rendered text, BOS once
+        full = tokenizer(prompt + response, add_special_tokens=False)["input_ids"]
+        assert ids == [tokenizer.bos_token_id, *full, tokenizer.eos_token_id]
+        assert ids.count(tokenizer.bos_token_id) == 1
+        trained = [t for t in labels if t != IGNORE_INDEX]
+        assert trained and trained[-1] == tokenizer.eos_token_id  # EOS present and trained on
+        assert tokenizer.decode(trained[:-1]) == response  # the unmasked labels are exactly the response
+        first = labels.index(trained[0])
+        assert all(label == IGNORE_INDEX for label in labels[:first])  # every prompt token masked
+        assert labels[first:] == ids[first:]
+
+
+text = st.text(
+    alphabet=st.sampled_from(list("abcxyz ABC019.,?!:#\n\t-'\"") + list("数字中文，。")), min_size=1, max_size=40
+)
+record = st.fixed_dictionaries(
+    {"instruction": text.filter(str.strip), "input": st.one_of(st.just(""), text), "output": text.filter(str.strip)}
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=st.lists(record, min_size=1, max_size=6), name=st.sampled_from(sorted(TEMPLATES)))
+def test_labels_are_exact_on_random_records(tokenizer, records, name):
+    template = get_template(name)
+    dataset, summary = tokenize_records(records, tokenizer, template, max_length=4096)
+    assert summary.examples == len(records)
+    check_exact(tokenizer, template, records, dataset, summary)
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
+@pytest.mark.parametrize("name, template", [("alpaca_en_demo.json", "alpaca"), ("alpaca_zh_demo.json", "alpaca_zh")])
+def test_labels_are_exact_on_the_real_alpaca_sets(tokenizer, name, template):
+    records, check = load_records(str(SHARED_DATA / name))
+    assert not check.skipped
+    dataset, summary = tokenize_records(records, tokenizer, get_template(template), max_length=100_000)
+    assert summary.examples == len(records) and summary.label_tokens > 0
+    check_exact(tokenizer, get_template(template), records, dataset, summary)
 
 
 def test_eos_is_trained_on_when_pad_is_eos(tokenizer):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     tokenizer.pad_token = tokenizer.eos_token
-    dataset, _ = tokenize_records(RECORDS[:1], tokenizer, ALPACA, max_length=256)
+    with pytest.warns(UserWarning, match="pad == eos"):
+        dataset, _ = tokenize_records(RECORDS[:1], tokenizer, ALPACA, max_length=256)
     assert dataset[0]["labels"][-1] == tokenizer.eos_token_id
 
 
-def test_long_records_are_cut_or_dropped_and_counted(tokenizer):
-    prompt_length = len(prompt_ids(tokenizer, ALPACA.format_prompt(RECORDS[0]["instruction"], "41")))
-    long_response = {"instruction": RECORDS[0]["instruction"], "input": "41", "output": "1234567"}
-    dataset, summary = tokenize_records([long_response, RECORDS[0]], tokenizer, ALPACA, max_length=prompt_length + 3)
-    assert summary.truncated == 1 and summary.examples == 2
-    assert dataset[0]["labels"][-3:] == dataset[0]["input_ids"][-3:]  # the kept response tokens are trained on
+def test_train_on_inputs_labels_the_prompt_too(tokenizer):
+    dataset, summary = tokenize_records(RECORDS[:1], tokenizer, ALPACA, max_length=256, train_on_inputs=True)
+    ids, labels = dataset[0]["input_ids"], dataset[0]["labels"]
+    assert labels[0] == IGNORE_INDEX and labels[1:] == ids[1:]
+    assert summary.label_tokens == len(ids) - 1
+
+
+def lengths_of(tokenizer, record):
+    prompt = prompt_ids(tokenizer, ALPACA.format_prompt(record["instruction"], record["input"]))
+    return len(prompt), len(tokenizer(record["output"], add_special_tokens=False)["input_ids"]) + 1
+
+
+LONG = {"instruction": "Add one to the number.", "input": "41", "output": "1234567"}
+
+
+def test_keep_prompt_cuts_the_response_and_its_eos(tokenizer):
+    n_prompt, n_response = lengths_of(tokenizer, LONG)
+    dataset, summary = tokenize_records([LONG, RECORDS[0]], tokenizer, ALPACA, max_length=n_prompt + 3)
+    assert (summary.response_cut, summary.examples) == (1, 2)
+    cut = dataset[0]
+    assert len(cut["input_ids"]) == n_prompt + 3 and tokenizer.eos_token_id not in cut["input_ids"]
+    assert tokenizer.decode([t for t in cut["labels"] if t != IGNORE_INDEX]) == "123"
     assert dataset[1]["input_ids"][-1] == tokenizer.eos_token_id  # "42" and its EOS fit exactly: not cut
-    _, summary = tokenize_records([long_response], tokenizer, ALPACA, max_length=prompt_length)
-    assert summary.examples == 0 and summary.dropped_no_response == 1
-    assert "1 dropped because the prompt alone fills max_length" in str(summary)
+
+
+def test_a_record_without_a_response_token_left_is_dropped_and_counted(tokenizer):
+    n_prompt, _ = lengths_of(tokenizer, LONG)
+    dataset, summary = tokenize_records([RECORDS[0], LONG], tokenizer, ALPACA, max_length=n_prompt)
+    assert summary.examples == 0 and summary.dropped_no_response == 2
+    assert summary.dropped_indices == [0, 1] and "2 dropped (first: [0, 1])" in str(summary)
+
+
+def test_cut_prompt_left_keeps_bos_and_the_whole_response(tokenizer):
+    n_prompt, n_response = lengths_of(tokenizer, LONG)
+    dataset, summary = tokenize_records(
+        [LONG], tokenizer, ALPACA, max_length=n_prompt + n_response - 5, truncation="cut_prompt_left"
+    )
+    assert summary.prompt_cut == 1
+    ids, labels = dataset[0]["input_ids"], dataset[0]["labels"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == n_prompt + n_response - 5
+    assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == "1234567</s>"
+
+
+def test_drop_policy_drops_and_counts(tokenizer):
+    n_prompt, n_response = lengths_of(tokenizer, LONG)
+    _, summary = tokenize_records([LONG], tokenizer, ALPACA, max_length=n_prompt + n_response - 1, truncation="drop")
+    assert summary.examples == 0 and summary.dropped_too_long == 1 and summary.dropped_indices == [0]
+
+
+def test_real_set_truncation_counts_add_up(tokenizer):
+    if not SHARED_DATA.is_dir():
+        pytest.skip("../shared/data (the real Alpaca sets) is absent")
+    records = json.loads((SHARED_DATA / "alpaca_en_demo.json").read_text())
+    for policy in ("keep_prompt", "cut_prompt_left", "drop"):
+        _, s = tokenize_records(records, tokenizer, ALPACA, max_length=256, truncation=policy)
+        assert s.examples + s.dropped_too_long + s.dropped_no_response == len(records)
+        assert s.response_cut + s.prompt_cut + s.dropped_too_long + s.dropped_no_response > 0

@@ -1,0 +1,68 @@
+"""Batches for training: dynamic padding or padding-free packing, and how much padding each one costs.
+
+Packing reuses transformers' `DataCollatorWithFlattening`: a batch becomes one row with `position_ids`
+restarting at every example, and transformers' masking builds a block-diagonal mask from them on the sdpa
+and eager paths, so no example attends to another. That mask is only built when the forward has no KV
+cache: with `use_cache=True` (the saved config's default, and what `TrainingArguments(use_cache=True)` puts
+back) the packed examples silently attend to each other. `ScaleTrainer` passes `use_cache=False` for every
+packed batch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Literal
+
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
+
+from hf_scale.data.tokenize import IGNORE_INDEX
+
+Batching = Literal["pad_to_max_length", "dynamic", "group_by_length", "packing"]
+MEGABATCH_FACTOR = 50  # transformers' LengthGroupedSampler sorts within megabatches of 50 batches
+
+
+def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool, pad_to_multiple_of: int | None = 8):
+    """Padding-free packing, or padding to the longest example of each batch (labels padded with -100)."""
+    if packing:
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def is_packed_batch(inputs: dict) -> bool:
+    """A flattened batch: position ids and no attention mask (the mask comes from the position ids)."""
+    return "position_ids" in inputs and inputs.get("attention_mask") is None
+
+
+def padding_fraction(
+    lengths: list[int],
+    batch_size: int,
+    batching: Batching,
+    max_length: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    seed: int = 0,
+) -> float:
+    """Share of the tokens in the batches that are padding, for one epoch in the sampler's order."""
+    if batching == "packing":
+        return 0.0
+    if batching == "pad_to_max_length":
+        if max_length is None:
+            raise ValueError("pad_to_max_length needs max_length")
+        return 1 - sum(lengths) / (max_length * len(lengths))
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    if batching == "group_by_length":
+        size = batch_size * MEGABATCH_FACTOR
+        order = [
+            i
+            for start in range(0, len(order), size)
+            for i in sorted(order[start : start + size], key=lambda i: -lengths[i])
+        ]
+    padded = 0
+    for start in range(0, len(order), batch_size):
+        batch = [lengths[i] for i in order[start : start + batch_size]]
+        width = max(batch)
+        if pad_to_multiple_of:
+            width = math.ceil(width / pad_to_multiple_of) * pad_to_multiple_of
+        padded += width * len(batch)
+    return 1 - sum(lengths) / padded

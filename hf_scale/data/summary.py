@@ -1,0 +1,44 @@
+"""What a user reads before training: what became of the records, the padding cost, one example as trained."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from hf_scale.data.batching import Batching, padding_fraction
+from hf_scale.data.tokenize import IGNORE_INDEX, TokenizationSummary
+
+
+def render_masked_example(tokenizer: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int]) -> str:
+    """The example's text with each trained-on span between ⟦ and ⟧ (the rest is masked with -100)."""
+    pieces, span, trained = [], [], False
+    for token, label in zip(input_ids, labels, strict=True):
+        if (label != IGNORE_INDEX) != trained and span:
+            text = tokenizer.decode(span)
+            pieces.append(f"⟦{text}⟧" if trained else text)
+            span = []
+        trained = label != IGNORE_INDEX
+        span.append(token)
+    if span:
+        text = tokenizer.decode(span)
+        pieces.append(f"⟦{text}⟧" if trained else text)
+    return "".join(pieces)
+
+
+def batching_of(packing: bool, train_sampling_strategy: str) -> Batching:
+    """The batching a run uses, in `padding_fraction`'s terms."""
+    if packing:
+        return "packing"
+    return "group_by_length" if train_sampling_strategy == "group_by_length" else "dynamic"
+
+
+def describe_data(
+    name: str,
+    summary: TokenizationSummary,
+    lengths: list[int],
+    batch_size: int,
+    batching: Batching,
+    pad_to_multiple_of: int | None,
+) -> str:
+    """One paragraph: the tokenization summary and the padding the chosen batching costs."""
+    waste = padding_fraction(lengths, batch_size, batching, pad_to_multiple_of=pad_to_multiple_of) if lengths else 0
+    return f"{name}: {summary}; batching: {batching}, {waste:.1%} of the batch tokens are padding"
