@@ -27,6 +27,7 @@ from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.config import parse_config
 from hf_scale.data.arguments import DataArguments
 from hf_scale.data.batching import make_collator
+from hf_scale.data.cache import cached_tokenize_records
 from hf_scale.data.loading import load_records, split_records
 from hf_scale.data.summary import batching_of, describe_data, render_masked_example
 from hf_scale.data.templates import CHAT_TEMPLATE, get_template
@@ -34,6 +35,7 @@ from hf_scale.data.tokenize import tokenize_records
 from hf_scale.errors import HfScaleError
 from hf_scale.evaluation import greedy_exact_match
 from hf_scale.modeling import ModelArguments, check_model_path, load_model, load_tokenizer
+from hf_scale.paths import cache_dir
 from hf_scale.plotting import plot_loss_curve
 from hf_scale.tiny import ensure_tiny_model, generate_tasks
 from hf_scale.trainer import ScaleTrainer
@@ -70,16 +72,17 @@ def main(argv: list[str]) -> dict:
             model_path = str(ensure_tiny_model())
     tokenizer = load_tokenizer(model_path)
     template = get_template(data_args.template, data_args.system_prompt, tokenizer)
-    tokenize = partial(
-        tokenize_records,
-        tokenizer=tokenizer,
-        template=template,
-        max_length=data_args.max_length,
-        train_on_inputs=data_args.train_on_inputs,
-        truncation=data_args.truncation,
+    settings = dict(
+        max_length=data_args.max_length, train_on_inputs=data_args.train_on_inputs, truncation=data_args.truncation
     )
-    train_dataset, train_summary = tokenize(train_records)
-    eval_dataset, eval_summary = tokenize(eval_records)
+    with args.main_process_first(desc="tokenizing"):
+        if data_args.cache_tokenized:
+            tokenize = partial(cached_tokenize_records, cache_dir=cache_dir() / "tokenized", **settings)
+            train_dataset, train_summary, _ = tokenize(train_records, tokenizer, template)
+            eval_dataset, eval_summary, _ = tokenize(eval_records, tokenizer, template)
+        else:
+            train_dataset, train_summary = tokenize_records(train_records, tokenizer, template, **settings)
+            eval_dataset, eval_summary = tokenize_records(eval_records, tokenizer, template, **settings)
 
     # 4. Model and trainer.
     model = load_model(model_args, model_path, tokenizer)

@@ -68,6 +68,13 @@ class DataArguments:
     pad_to_multiple_of: int | None = field(
         default=8, metadata={"help": "Round padded batch widths up to a multiple of this (tensor-core friendly)."}
     )
+    cache_tokenized: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the tokenized sets in $HF_SCALE_CACHE/tokenized, keyed by data, tokenizer, template and "
+            "settings, and reuse them on the next run."
+        },
+    )
     exact_match_samples: int = field(
         default=200,
         metadata={"help": "Held-out records scored by greedy exact match before and after training (0: skip)."},

@@ -81,20 +81,17 @@ def tokenize_records(
         warnings.warn("pad == eos: the EOS of every example is still labelled (labels come from lengths)", stacklevel=2)
 
     prompts = [template.format_prompt(r["instruction"], r.get("input") or "") for r in records]
-    responses = [template.format_response(r["output"]) for r in records]
-    encoded = tokenizer(
-        [p + r for p, r in zip(prompts, responses, strict=True)], add_special_tokens=False, return_offsets_mapping=True
-    )
+    texts = [p + template.format_response(r["output"]) for p, r in zip(prompts, records, strict=True)]
+    encoded = tokenizer(texts, add_special_tokens=False)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     summary = TokenizationSummary(records=len(records))
     columns: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": [], "labels": []}
-    for index, (prompt, ids, offsets) in enumerate(
-        zip(prompts, encoded["input_ids"], encoded["offset_mapping"], strict=True)
-    ):
-        boundary = len(prompt)
-        # a token is prompt when all its characters are; a token that straddles the boundary is trained on
-        n_prompt = sum(1 for _, end in offsets if end <= boundary)
-        summary.boundary_merges += sum(1 for start, end in offsets if start < boundary < end)
+    for index, (prompt, text, ids) in enumerate(zip(prompts, texts, encoded["input_ids"], strict=True)):
+        # The first response token is the one holding the response's first character; when it starts inside
+        # the prompt (a merge across the boundary) it is still trained on, and counted.
+        n_prompt = _first_token_at_or_after(encoded, index, len(prompt), len(text), default=len(ids))
+        if n_prompt < len(ids) and encoded.token_to_chars(index, n_prompt).start < len(prompt):
+            summary.boundary_merges += 1
         source = bos + ids[:n_prompt]
         target = [*ids[n_prompt:], tokenizer.eos_token_id]
         source, target = _fit(source, target, len(bos), max_length, truncation, summary, index)
@@ -110,6 +107,15 @@ def tokenize_records(
         summary.tokens += len(source) + len(target)
         summary.label_tokens += sum(1 for label in labels[1:] if label != IGNORE_INDEX)
     return Dataset.from_dict(columns), summary
+
+
+def _first_token_at_or_after(encoded, index: int, char: int, end: int, default: int) -> int:
+    """Index of the token holding character `char` of text `index` (or the next character that has one)."""
+    for position in range(char, end):
+        token = encoded.char_to_token(index, position)
+        if token is not None:
+            return token
+    return default
 
 
 def _fit(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_scale.data.templates import TEMPLATES
+from hf_scale.paths import cache_dir
 from hf_scale.tiny.tasks import generate_tasks
 
 # Bump when the build changes, so that a cached folder from an older build is not reused.
@@ -34,9 +36,11 @@ def _training_text() -> list[str]:
     return texts
 
 
-def build_tiny_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = None) -> PreTrainedTokenizerFast:
     """A byte-level BPE like LLaMA's in the ways that matter here: digits are single tokens, `<s>`/`</s>`
-    are BOS/EOS, and there is no pad token (the recipe chooses one, as it must for LLaMA-2)."""
+    are BOS/EOS, and there is no pad token (the recipe chooses one, as it must for LLaMA-2).
+
+    Trained on the generated tasks, or on `texts` (the benchmarks train one on real Alpaca text)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -48,7 +52,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    tokenizer.train_from_iterator(_training_text() if texts is None else texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS, add_bos_token=False)
 
 
@@ -75,8 +79,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
 
 def default_tiny_model_dir() -> Path:
     """Where the tiny default is cached: `$HF_SCALE_CACHE` or `~/.cache/hf_scale`, one folder per build version."""
-    cache = Path(os.environ.get("HF_SCALE_CACHE", Path.home() / ".cache" / "hf_scale"))
-    return cache / f"tiny-llama-v{TINY_BUILD_VERSION}"
+    return cache_dir() / f"tiny-llama-v{TINY_BUILD_VERSION}"
 
 
 def ensure_tiny_model(path: str | os.PathLike | None = None) -> Path:

@@ -133,3 +133,13 @@ def test_real_set_truncation_counts_add_up(tokenizer):
         _, s = tokenize_records(records, tokenizer, ALPACA, max_length=256, truncation=policy)
         assert s.examples + s.dropped_too_long + s.dropped_no_response == len(records)
         assert s.response_cut + s.prompt_cut + s.dropped_too_long + s.dropped_no_response > 0
+
+
+def test_a_token_across_the_boundary_is_trained_on_and_counted(tokenizer):
+    joined = get_template(json.dumps({"with_input": "{instruction}", "without_input": "{instruction}"}))
+    record = {"instruction": "Add one to the num", "input": "", "output": "ber."}
+    assert "Ġnumber" in tokenizer.tokenize("Add one to the number.")  # the merge this test relies on
+    dataset, summary = tokenize_records([record], tokenizer, joined, max_length=64)
+    assert summary.boundary_merges == 1
+    trained = [t for t in dataset[0]["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == " number.</s>"  # the Stanford-style mask would have cut this token

@@ -1,6 +1,7 @@
 """The recipe end to end on the embedded tiny default, launched as a user launches it."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_scale.data.templates import ALPACA
 from hf_scale.evaluation import greedy_exact_match
 from hf_scale.tiny import generate_tasks
-from tests.helpers import free_port, python_bin, run_command, torchrun
+from tests.helpers import SHARED_DATA, free_port, python_bin, run_command, torchrun
 
 RECIPE = "recipes/finetune_llama2.py"
 pytestmark = pytest.mark.slow
@@ -109,3 +110,37 @@ def test_recipe_under_the_deepspeed_launcher_with_zero2(tmp_path, hf_scale_cache
     assert metrics["world_size"] == 2
     assert metrics["eval_after_loss"] < metrics["eval_before_loss"]  # evaluated before train() too, under ZeRO-2
     assert (output_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
+def test_recipe_on_real_chinese_alpaca_with_packing(tmp_path, hf_scale_cache):
+    output_dir = tmp_path / "run"
+    flags = [
+        "--dataset",
+        str(SHARED_DATA / "alpaca_zh_demo.json"),
+        "--template",
+        "alpaca_zh",
+        "--packing",
+        "true",
+        "--max_length",
+        "256",
+        "--truncation",
+        "drop",
+        "--max_steps",
+        "10",
+        "--exact_match_samples",
+        "8",
+        "--eval_strategy",
+        "no",
+        "--output_dir",
+        str(output_dir),
+    ]
+    result = run_command([sys.executable, RECIPE, *flags], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = next(line for line in result.stdout.splitlines() if line.startswith("train: "))
+    kept, dropped = re.search(r"-> (\d+) examples.*?; (\d+) dropped", summary).groups()
+    assert int(kept) + int(dropped) == 950  # 1000 records, 5 % held out: every record kept or counted
+    assert "batching: packing, 0.0% of the batch tokens are padding" in summary
+    assert "### 回答:\n⟦" in result.stdout  # the rendered example shows the Chinese template and the trained span
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["eval_after_loss"] < metrics["eval_before_loss"]

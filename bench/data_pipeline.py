@@ -1,0 +1,139 @@
+"""The instruction-data pipeline on the real Alpaca sets, measured side by side in one run.
+
+    python bench/data_pipeline.py            # needs ../shared/data (alpaca_en_demo.json, alpaca_zh_demo.json)
+
+(a) tokenization examples/s: hf_scale's batched, offset-exact pipeline against the Stanford-Alpaca reference
+    loop (one record at a time, prompt tokenized twice, mask = len(tokenize(prompt)));
+(b) the share of batch tokens that are padding: pad-to-512, dynamic padding, length grouping, packing;
+(c) real (non-pad) training tokens/s of the tiny model: packing against pad-to-512.
+A 32k byte-level BPE is trained on the two sets first, as a stand-in for LLaMA's tokenizer.
+"""
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DataCollatorForSeq2Seq, LlamaConfig, LlamaForCausalLM
+
+from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.data.batching import make_collator, padding_fraction
+from hf_scale.data.templates import get_template
+from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
+from hf_scale.tiny.build import build_tiny_tokenizer
+from hf_scale.trainer import ScaleTrainer
+
+DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+SETS = {"en": ("alpaca_en_demo.json", "alpaca"), "zh": ("alpaca_zh_demo.json", "alpaca_zh")}
+MAX_LENGTH = 512
+
+
+def reference_loop(records, tokenizer, template):
+    """The usual tutorial code: one record at a time, the prompt's length as the mask."""
+    examples = []
+    for record in records:
+        prompt = template.format_prompt(record["instruction"], record["input"])
+        full = prompt + record["output"] + tokenizer.eos_token
+        input_ids = tokenizer(full, truncation=True, max_length=MAX_LENGTH)["input_ids"]
+        prompt_length = len(tokenizer(prompt, truncation=True, max_length=MAX_LENGTH)["input_ids"])
+        labels = [IGNORE_INDEX] * prompt_length + input_ids[prompt_length:]
+        examples.append({"input_ids": input_ids, "labels": labels})
+    return examples
+
+
+def examples_per_second(function, records, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return len(records) / statistics.median(times)
+
+
+def real_tokens_per_second(dataset, tokenizer, packing: bool, steps: int, batch_size: int) -> float:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=MAX_LENGTH * batch_size,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+    )
+    if packing:
+        collator = make_collator(tokenizer, packing=True)
+    else:
+        collator = DataCollatorForSeq2Seq(
+            tokenizer, padding="max_length", max_length=MAX_LENGTH, label_pad_token_id=IGNORE_INDEX
+        )
+    subset = dataset.select(range(steps * batch_size))
+    real_tokens = sum(len(ids) for ids in subset["input_ids"])
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = ScaleTrainingArguments(
+            output_dir=output_dir,
+            max_steps=steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=1e-3,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            logging_steps=steps,
+            seed=0,
+        )
+        trainer = ScaleTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=subset, data_collator=collator)
+        start = time.perf_counter()
+        trainer.train()
+        return real_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="training steps per batching in (c)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    options = parser.parse_args()
+    if not DATA.is_dir():
+        raise SystemExit(f"{DATA} is absent: this benchmark needs the real Alpaca sets")
+
+    loaded = {lang: json.loads((DATA / name).read_text()) for lang, (name, _) in SETS.items()}
+    texts = [r["instruction"] + "\n" + r["input"] + "\n" + r["output"] for rs in loaded.values() for r in rs]
+    tokenizer = build_tiny_tokenizer(vocab_size=32_000, texts=texts)
+    tokenizer.pad_token = tokenizer.unk_token
+
+    rows = []
+    for lang, (_, template_name) in SETS.items():
+        records, template = loaded[lang], get_template(template_name)
+        ours = examples_per_second(lambda: tokenize_records(records, tokenizer, template, MAX_LENGTH), records)
+        theirs = examples_per_second(lambda: reference_loop(records, tokenizer, template), records)
+        dataset, summary = tokenize_records(records, tokenizer, template, MAX_LENGTH)
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        waste = {
+            kind: padding_fraction(lengths, options.batch_size, kind, max_length=MAX_LENGTH, pad_to_multiple_of=8)
+            for kind in ("pad_to_max_length", "dynamic", "group_by_length", "packing")
+        }
+        dataset = dataset.shuffle(seed=0)
+        packed = real_tokens_per_second(dataset, tokenizer, True, options.steps, options.batch_size)
+        padded = real_tokens_per_second(dataset, tokenizer, False, options.steps, options.batch_size)
+        rows.append((lang, len(records), statistics.median(lengths), ours, theirs, waste, packed, padded))
+
+    print(f"\nbatch size {options.batch_size}, max_length {MAX_LENGTH}, {options.steps} training steps per batching")
+    print(
+        "| set | records | median tokens | (a) pipeline ex/s | reference ex/s | ratio | (b) pad-512 | dynamic "
+        "| grouped | packing | (c) packed real tok/s | pad-512 real tok/s | ratio |"
+    )
+    print("|" + "---|" * 13)
+    for lang, n, median, ours, theirs, waste, packed, padded in rows:
+        print(
+            f"| {lang} | {n} | {median:.0f} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.1f}x "
+            f"| {waste['pad_to_max_length']:.1%} | {waste['dynamic']:.1%} | {waste['group_by_length']:.1%} "
+            f"| {waste['packing']:.1%} | {packed:,.0f} | {padded:,.0f} | {packed / padded:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
