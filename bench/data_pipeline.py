@@ -14,6 +14,7 @@ import json
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -108,8 +109,8 @@ def main() -> None:
     rows = []
     for lang, (_, template_name) in SETS.items():
         records, template = loaded[lang], get_template(template_name)
-        ours = examples_per_second(lambda: tokenize_records(records, tokenizer, template, MAX_LENGTH), records)
-        theirs = examples_per_second(lambda: reference_loop(records, tokenizer, template), records)
+        ours = examples_per_second(partial(tokenize_records, records, tokenizer, template, MAX_LENGTH), records)
+        theirs = examples_per_second(partial(reference_loop, records, tokenizer, template), records)
         dataset, summary = tokenize_records(records, tokenizer, template, MAX_LENGTH)
         lengths = [len(ids) for ids in dataset["input_ids"]]
         waste = {

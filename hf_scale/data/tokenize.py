@@ -50,7 +50,7 @@ class TokenizationSummary:
 
     def __str__(self) -> str:
         dropped = self.dropped_too_long + self.dropped_no_response
-        first = f" (first: {self.dropped_indices[:5]})" if self.dropped_indices else ""
+        first = f" (first positions in this set: {self.dropped_indices[:5]})" if self.dropped_indices else ""
         return (
             f"{self.records} records -> {self.examples} examples, {self.tokens} tokens of which "
             f"{self.label_tokens} trained on; {self.response_cut} with the response cut and "

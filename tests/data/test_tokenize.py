@@ -105,7 +105,7 @@ def test_a_record_without_a_response_token_left_is_dropped_and_counted(tokenizer
     n_prompt, _ = lengths_of(tokenizer, LONG)
     dataset, summary = tokenize_records([RECORDS[0], LONG], tokenizer, ALPACA, max_length=n_prompt)
     assert summary.examples == 0 and summary.dropped_no_response == 2
-    assert summary.dropped_indices == [0, 1] and "2 dropped (first: [0, 1])" in str(summary)
+    assert summary.dropped_indices == [0, 1] and "2 dropped (first positions in this set: [0, 1])" in str(summary)
 
 
 def test_cut_prompt_left_keeps_bos_and_the_whole_response(tokenizer):
