@@ -2,8 +2,8 @@
 
     python bench/data_pipeline.py            # needs ../shared/data (alpaca_en_demo.json, alpaca_zh_demo.json)
 
-(a) tokenization examples/s: hf_scale's batched, offset-exact pipeline against the Stanford-Alpaca reference
-    loop (one record at a time, prompt tokenized twice, mask = len(tokenize(prompt)));
+(a) tokenization examples/s: hf_scale's batched, exact pipeline against Stanford Alpaca's `preprocess` (one
+    text at a time, the prompt tokenized a second time, mask = len(tokenize(prompt)));
 (b) the share of batch tokens that are padding: pad-to-512, dynamic padding, length grouping, packing;
 (c) real (non-pad) training tokens/s of the tiny model: packing against pad-to-512.
 A 32k byte-level BPE is trained on the two sets first, as a stand-in for LLaMA's tokenizer.
@@ -33,16 +33,27 @@ MAX_LENGTH = 512
 
 
 def reference_loop(records, tokenizer, template):
-    """The usual tutorial code: one record at a time, the prompt's length as the mask."""
-    examples = []
-    for record in records:
-        prompt = template.format_prompt(record["instruction"], record["input"])
-        full = prompt + record["output"] + tokenizer.eos_token
-        input_ids = tokenizer(full, truncation=True, max_length=MAX_LENGTH)["input_ids"]
-        prompt_length = len(tokenizer(prompt, truncation=True, max_length=MAX_LENGTH)["input_ids"])
-        labels = [IGNORE_INDEX] * prompt_length + input_ids[prompt_length:]
-        examples.append({"input_ids": input_ids, "labels": labels})
-    return examples
+    """Stanford Alpaca's `preprocess`: each text tokenized alone (full, then the prompt again), mask = prompt length."""
+    sources = [template.format_prompt(r["instruction"], r["input"]) for r in records]
+    examples = [source + r["output"] + tokenizer.eos_token for source, r in zip(sources, records, strict=True)]
+
+    def tokenize_each(strings):
+        tokenized = [
+            tokenizer(text, return_tensors="pt", padding="longest", max_length=MAX_LENGTH, truncation=True)
+            for text in strings
+        ]
+        return [t.input_ids[0] for t in tokenized], [
+            t.input_ids.ne(tokenizer.pad_token_id).sum().item() for t in tokenized
+        ]
+
+    input_ids, _ = tokenize_each(examples)
+    _, source_lengths = tokenize_each(sources)
+    labels = []
+    for ids, source_length in zip(input_ids, source_lengths, strict=True):
+        label = ids.clone()
+        label[:source_length] = IGNORE_INDEX
+        labels.append(label)
+    return input_ids, labels
 
 
 def examples_per_second(function, records, repeats: int = 3) -> float:
