@@ -1,0 +1,142 @@
+"""The `hf-scale` command: `plan` (memory per strategy and a recommendation) and `presets` (list, show)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from hf_scale.errors import HfScaleError
+
+PLAN_EXAMPLES = """examples:
+  hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4
+  hf-scale plan --model meta-llama/Llama-2-70b-hf --gpu a100-80g --gpus 8 --nodes 2 --seq-len 2048 --grad-ckpt
+  hf-scale plan --model ./my-model --gpu rtx4090-24g --gpus 4 --micro-batch 1 --lora-r 16 --json
+"""
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.1f}"
+
+
+def render_plan(result) -> str:
+    """The plan as a table, the recommendation and any advice."""
+    w = result.workload
+    lines = [
+        f"{result.shape.name}: {result.shape.parameters / 1e9:.2f}B parameters on {w.nodes} node(s) x "
+        f"{w.gpus_per_node} {w.gpu.name} ({_gib(w.gpu.memory_bytes)} GiB), seq {w.seq_len}, micro batch "
+        f"{w.micro_batch}, gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}",
+        "GiB per GPU; host GiB per node; seconds per step at peak (communication not overlapped)",
+        f"{'strategy':<14}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'other':>8}{'total':>8}"
+        f"{'host':>8}{'fits':>6}{'comm s':>9}{'compute s':>11}",
+    ]
+    for name, e in result.estimates.items():
+        lines.append(
+            f"{name:<14}{_gib(e.parameters):>8}{_gib(e.gradients):>8}{_gib(e.optimizer_states):>8}"
+            f"{_gib(e.activations):>8}{_gib(e.overhead):>8}{_gib(e.total):>8}{_gib(e.cpu_per_node):>8}"
+            f"{'yes' if e.fits else 'no':>6}{e.communication_seconds:>9.3f}{e.compute_seconds:>11.3f}"
+            + ("  communication-bound" if e.communication_bound else "")
+        )
+    if result.recommendation:
+        preset = {"ddp": "no zero_preset (plain DDP)"}.get(
+            result.recommendation, f"zero_preset: {result.recommendation}"
+        )
+        lines.append(f"recommendation: {result.recommendation} ({preset}), the fastest that fits in 90% of memory")
+    else:
+        lines.append("recommendation: nothing fits; " + "; ".join(result.advice))
+    return "\n".join(lines)
+
+
+def plan_command(options: argparse.Namespace) -> None:
+    from hf_scale.hardware import get_gpu
+    from hf_scale.memory import Workload, plan
+    from hf_scale.model_shapes import model_shape
+
+    gpu = get_gpu(options.gpu)
+    if options.gpus < 1 or options.nodes < 1 or options.seq_len < 1 or options.micro_batch < 1:
+        raise HfScaleError("--gpus, --nodes, --seq-len and --micro-batch must be positive")
+    workload = Workload(
+        gpu=gpu,
+        gpus_per_node=options.gpus,
+        nodes=options.nodes,
+        seq_len=options.seq_len,
+        micro_batch=options.micro_batch,
+        gradient_checkpointing=options.grad_ckpt,
+        lora_r=options.lora_r,
+    )
+    result = plan(model_shape(options.model), workload)
+    if options.json:
+        print(
+            json.dumps(
+                {
+                    "model": dataclasses.asdict(result.shape),
+                    "workload": {**dataclasses.asdict(workload), "gpu": dataclasses.asdict(gpu)},
+                    "strategies": {
+                        name: {**dataclasses.asdict(e), "total": e.total} for name, e in result.estimates.items()
+                    },
+                    "recommendation": result.recommendation,
+                    "advice": result.advice,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(render_plan(result))
+
+
+def presets_command(options: argparse.Namespace) -> None:
+    from hf_scale.presets import list_presets, zero_preset
+
+    if options.action == "list":
+        for name in list_presets():
+            stage = zero_preset(name)["zero_optimization"]["stage"]
+            print(f"{name:<18} ZeRO-{stage}")
+    else:
+        if not options.name:
+            raise HfScaleError("presets show needs a preset name: hf-scale presets show zero2")
+        print(json.dumps(zero_preset(options.name), indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-scale", description="Instruction fine-tuning at scale, in the HF API.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan_parser = commands.add_parser(
+        "plan",
+        help="memory per GPU for each strategy, and which to pick",
+        epilog=PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan_parser.add_argument("--model", required=True, help="hub id, local folder, or a known LLaMA-2 id (offline)")
+    plan_parser.add_argument(
+        "--gpu", required=True, help="a100-40g, a100-80g, rtx4090-24g, l40s-48g, h100-80g, h200-141g"
+    )
+    plan_parser.add_argument("--gpus", type=int, default=1, help="GPUs per node")
+    plan_parser.add_argument("--nodes", type=int, default=1)
+    plan_parser.add_argument("--seq-len", type=int, default=512)
+    plan_parser.add_argument("--micro-batch", type=int, default=1, help="per-GPU batch")
+    plan_parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    plan_parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank for the LoRA row")
+    plan_parser.add_argument("--json", action="store_true", help="machine-readable output")
+    plan_parser.set_defaults(run=plan_command)
+
+    presets_parser = commands.add_parser("presets", help="the shipped DeepSpeed ZeRO presets")
+    presets_parser.add_argument("action", choices=["list", "show"])
+    presets_parser.add_argument("name", nargs="?", help="preset to show")
+    presets_parser.set_defaults(run=presets_command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
+    try:
+        options.run(options)
+    except HfScaleError as error:
+        print(f"hf-scale: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The memory planner: what each training strategy needs per GPU and per node, and which one to pick.
+
+Accounting. Model states follow DeepSpeed's own estimators (what a run allocates; `accounting="deepspeed"`):
+ZeRO keeps 16-bit parameters and gradients plus fp32 master weights, fp32 gradient partitions and two fp32
+Adam moments, so ZeRO-2 needs 2P + 18P/N bytes per GPU and ZeRO-3 18P/N plus a gather buffer of four bytes
+per parameter of the largest layer. The ZeRO paper counts 2 + 2 + 12 bytes per parameter (no fp32 gradient
+copy); `accounting="paper"` reproduces its figures. Plain DDP under autocast holds fp32 weights, fp32
+gradients and two fp32 moments: 16P. Activations are counted per token and layer for a LLaMA block with a
+fused attention kernel (no attention matrix kept), in bf16, plus the fp32 logits the loss needs; with
+gradient checkpointing only each layer's input is kept, plus one layer recomputed at a time. Framework
+overhead is 1 GiB (CUDA context, NCCL buffers) plus DeepSpeed's communication buckets. A strategy fits
+when its total stays under 90 % of the GPU's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hf_scale.hardware import GIB, GPU, INTER_NODE_GBS
+
+Accounting = Literal["deepspeed", "paper"]
+STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "lora")
+# Fastest first: the planner recommends the first of these that fits (LoRA is offered separately: it trains
+# a different model).
+SPEED_ORDER = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+HEADROOM = 0.9
+CONTEXT_BYTES = 1 * GIB
+ALLGATHER_BUCKET_ELEMENTS = 2e8  # the zero2 presets' allgather_bucket_size
+OFFLOAD_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for host memory
+PCIE_GBS = 25.0  # host <-> device, PCIe 4.0 x16 in practice
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know of a decoder-only transformer."""
+
+    name: str
+    parameters: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @property
+    def largest_layer_parameters(self) -> int:
+        """The biggest single weight: the embedding or the LM head (vocab x hidden)."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+    def lora_parameters(self, rank: int, targets: tuple[str, ...]) -> int:
+        kv = self.hidden // self.heads * self.kv_heads
+        shapes = {
+            "q_proj": (self.hidden, self.hidden),
+            "k_proj": (self.hidden, kv),
+            "v_proj": (self.hidden, kv),
+            "o_proj": (self.hidden, self.hidden),
+            "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+        }
+        return self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How the model is trained: the hardware and the batch."""
+
+    gpu: GPU
+    gpus_per_node: int = 1
+    nodes: int = 1
+    seq_len: int = 512
+    micro_batch: int = 1
+    gradient_checkpointing: bool = False
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    inter_node: str = "infiniband"
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass
+class StrategyEstimate:
+    """Bytes per GPU by kind, host bytes per node, and the time a step spends computing and communicating."""
+
+    strategy: str
+    parameters: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    overhead: float
+    cpu_per_node: float
+    fits: bool = False
+    communication_bytes: float = 0.0
+    communication_seconds: float = 0.0
+    compute_seconds: float = 0.0
+
+    @property
+    def model_states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.overhead
+
+    @property
+    def communication_bound(self) -> bool:
+        return self.communication_seconds > self.compute_seconds
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    workload: Workload
+    estimates: dict[str, StrategyEstimate]
+    recommendation: str | None
+    advice: list[str] = field(default_factory=list)
+
+
+def model_states(strategy: str, parameters: float, gpus: int, largest_layer: float, accounting: Accounting):
+    """(parameters, gradients, optimizer states) bytes per GPU and host bytes per node, for full fine-tuning."""
+    p, n = parameters, gpus
+    fp32_grads = 4 if accounting == "deepspeed" else 0  # DeepSpeed keeps an fp32 copy of its gradient partition
+    if strategy == "ddp":
+        return (4 * p, 4 * p, 8 * p, 0.0) if accounting == "deepspeed" else (2 * p, 2 * p, 12 * p, 0.0)
+    if strategy == "zero1":
+        return 2 * p, 2 * p + fp32_grads * p / n, 12 * p / n, 0.0
+    if strategy == "zero2":
+        return 2 * p, (2 + fp32_grads) * p / n, 12 * p / n, 0.0
+    if strategy == "zero3":
+        if accounting == "paper":
+            return 2 * p / n, 2 * p / n, 12 * p / n, 0.0
+        # DeepSpeed's stage-3 estimator: 18 bytes per parameter over N GPUs plus a 16-bit gather buffer for the
+        # largest layer's parameters and gradients. We split the 18 as 2 (16-bit parameters) + 4 (16-bit
+        # gradients and their reduce buffer) + 12 (fp32 master weights, two Adam moments); the split is yet to
+        # be checked against a real engine's tensors, the total is DeepSpeed's.
+        return 2 * p / n + 4 * largest_layer, 4 * p / n, 12 * p / n, 0.0
+    raise ValueError(f"no model-state formula for {strategy!r}")
+
+
+def activation_bytes(shape: ModelShape, workload: Workload) -> float:
+    """Activations kept for the backward pass, per GPU, for one micro-batch."""
+    tokens = workload.seq_len * workload.micro_batch
+    kv = shape.hidden // shape.heads * shape.kv_heads
+    # bf16 tensors a LLaMA block saves (norm outputs, q/k/v, attention output, gate/up/act/down inputs),
+    # plus the fp32 inputs of its two RMSNorms
+    per_layer = 2 * (5 * shape.hidden + 2 * kv + 4 * shape.intermediate) + 8 * shape.hidden
+    if workload.gradient_checkpointing:
+        kept = shape.layers * 2 * shape.hidden + per_layer
+    else:
+        kept = shape.layers * per_layer
+    logits = shape.vocab * (2 + 4 + 4)  # bf16 logits, their fp32 upcast for the loss, its gradient
+    return tokens * (kept + logits)
+
+
+def estimate(shape: ModelShape, workload: Workload, strategy: str, accounting: Accounting = "deepspeed"):
+    """The estimate of one strategy."""
+    p, n = float(shape.parameters), workload.gpus
+    largest = float(shape.largest_layer_parameters)
+    buckets = 0.0
+    if strategy in ("ddp", "zero1", "zero2", "zero3"):
+        params, grads, optim, cpu = model_states(strategy, p, n, largest, accounting)
+        buckets = 2 * ALLGATHER_BUCKET_ELEMENTS if strategy in ("zero1", "zero2") else 0.0
+    elif strategy == "zero2_offload":
+        params, grads, optim = 2 * p, 0.0, 0.0
+        cpu = p * max(4 * n, 16) * OFFLOAD_BUFFER_FACTOR / workload.nodes
+    elif strategy == "zero3_offload":
+        params, grads, optim = 4 * largest, 0.0, 0.0
+        cpu = p * 18 / workload.nodes * OFFLOAD_BUFFER_FACTOR
+    elif strategy == "lora":
+        trainable = shape.lora_parameters(workload.lora_r, workload.lora_targets)
+        params, grads, optim, cpu = 2 * p + 4 * trainable, 4 * trainable, 8 * trainable, 0.0
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    result = StrategyEstimate(
+        strategy=strategy,
+        parameters=params,
+        gradients=grads,
+        optimizer_states=optim,
+        activations=activation_bytes(shape, workload),
+        overhead=CONTEXT_BYTES + buckets,
+        cpu_per_node=cpu,
+    )
+    result.fits = result.total <= HEADROOM * workload.gpu.memory_bytes
+    _add_step_times(result, shape, workload)
+    return result
+
+
+def _add_step_times(result: StrategyEstimate, shape: ModelShape, workload: Workload) -> None:
+    """Bytes each GPU moves per optimizer step and the time they take, beside the compute time."""
+    p, n = float(shape.parameters), workload.gpus
+    ring = 2 * (n - 1) / n if n > 1 else 0.0  # a ring all-reduce sends this many times the buffer
+    trainable = p
+    if result.strategy == "lora":
+        trainable = float(shape.lora_parameters(workload.lora_r, workload.lora_targets))
+        network = ring * 4 * trainable
+    elif result.strategy.startswith("zero3"):
+        network = 1.5 * ring * 2 * p  # two all-gathers of the parameters and one reduce-scatter of gradients
+    else:
+        network = ring * 2 * p  # 16-bit gradients reduced (and ZeRO-1/2's parameters gathered back)
+    bandwidth = workload.gpu.intra_node_gbs if workload.nodes == 1 else INTER_NODE_GBS[workload.inter_node]
+    host = 0.0
+    if result.strategy == "zero2_offload":
+        host = 2 * p / n + 2 * p / n  # gradients out, updated parameters in
+    elif result.strategy == "zero3_offload":
+        host = 4 * p + 2 * p / n  # every 16-bit parameter in for forward and again for backward, gradients out
+    result.communication_bytes = network + host
+    result.communication_seconds = network / (bandwidth * 1e9) + host / (PCIE_GBS * 1e9)
+    tokens = workload.seq_len * workload.micro_batch
+    flops_per_token = (8 if workload.gradient_checkpointing else 6) * p
+    if result.strategy == "lora":
+        flops_per_token = (6 if workload.gradient_checkpointing else 4) * p  # no weight gradients for the base
+    result.compute_seconds = flops_per_token * tokens / (workload.gpu.bf16_tflops * 1e12)
+
+
+def plan(shape: ModelShape, workload: Workload, accounting: Accounting = "deepspeed") -> Plan:
+    """Every strategy's estimate, the fastest that fits, and what to change when none does."""
+    estimates = {s: estimate(shape, workload, s, accounting) for s in STRATEGIES}
+    recommendation = next((s for s in SPEED_ORDER if estimates[s].fits), None)
+    advice = [] if recommendation else _advice(shape, workload, estimates, accounting)
+    return Plan(shape, workload, estimates, recommendation, advice)
+
+
+def _advice(shape: ModelShape, workload: Workload, estimates, accounting: Accounting) -> list[str]:
+    advice = []
+    for gpus in (workload.gpus * 2, workload.gpus * 4, workload.gpus * 8):
+        more = Workload(**{**workload.__dict__, "gpus_per_node": gpus // workload.nodes})
+        if estimate(shape, more, "zero3", accounting).fits:
+            advice.append(f"ZeRO-3 fits on {gpus} GPUs of this kind")
+            break
+    if estimates["lora"].fits:
+        advice.append(f"LoRA (r={workload.lora_r}) fits: set lora_r")
+    if not workload.gradient_checkpointing:
+        ckpt = Workload(**{**workload.__dict__, "gradient_checkpointing": True})
+        if any(estimate(shape, ckpt, s, accounting).fits for s in SPEED_ORDER):
+            advice.append("gradient checkpointing makes a strategy fit: set gradient_checkpointing")
+    if workload.seq_len > 256:
+        shorter = Workload(**{**workload.__dict__, "seq_len": workload.seq_len // 2, "micro_batch": 1})
+        if any(estimate(shape, shorter, s, accounting).fits for s in SPEED_ORDER):
+            advice.append(f"sequences of {workload.seq_len // 2} tokens at micro batch 1 fit")
+    return advice or ["nothing fits on this hardware: use more or larger GPUs"]
