@@ -63,6 +63,8 @@ class ScaleTrainingArguments(TrainingArguments):
         if self.resume:
             check_resumable(self.output_dir)
         super().__post_init__()
+        if self.deepspeed and self.use_cpu and world_size > 1:
+            _start_deepspeed_comm(self)
 
     @property
     def effective_batch_size(self) -> int:
@@ -88,3 +90,16 @@ def check_resumable(output_dir: str | None) -> None:
         raise ConfigError(f"resume: output_dir {output_dir!r} does not exist, so there is nothing to resume")
     if get_last_checkpoint(output_dir) is None:
         raise ConfigError(f"resume: no checkpoint-* folder in output_dir {output_dir!r}")
+
+
+def _start_deepspeed_comm(args: TrainingArguments) -> None:
+    """Make deepspeed.comm join the CPU process group before any model is loaded.
+
+    On CPU, accelerate starts only torch.distributed (gloo). ZeRO-3 partitions the weights while
+    `from_pretrained` loads them, and asks deepspeed.comm for the world size; uninitialised, it answers 1 and
+    the batch check fails (train_batch_size != micro_batch x accumulation x 1).
+    """
+    import deepspeed
+
+    _ = args.device  # starts the gloo process group
+    deepspeed.init_distributed(dist_backend="gloo")

@@ -47,7 +47,7 @@ class ScaleTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
         finally:
             self.is_deepspeed_enabled = self.is_deepspeed_enabled or zero12_before_train
-            if not_yet_wrapped and self.model_wrapped is self.model:
+            if not_yet_wrapped:
                 self._forget_evaluation_preparation()
 
     def _forget_evaluation_preparation(self) -> None:
@@ -56,10 +56,18 @@ class ScaleTrainer(Trainer):
         `Accelerator.prepare_model(model, evaluation_mode=True)` marks the bare model as prepared and records
         it; a later `prepare(model, optimizer)` then returns it unwrapped, and multi-process training runs
         without DDP (replicas drift apart, silently), and `save_state` would save the model twice.
+        Under ZeRO-3 the stock Trainer builds an inference-only DeepSpeed engine to evaluate, and train() would
+        then train through it and fail at the first backward ('NoneType' object has no attribute 'backward').
         """
+        evaluation_wrapper = self.model_wrapped
         if getattr(self.model, "_is_accelerate_prepared", False):
             del self.model._is_accelerate_prepared
-        self.accelerator._models = [model for model in self.accelerator._models if model is not self.model]
+        self.accelerator._models = [
+            model for model in self.accelerator._models if model is not self.model and model is not evaluation_wrapper
+        ]
+        if evaluation_wrapper is not self.model:  # the inference engine: train() builds the training one
+            self.model_wrapped = self.model
+            self.deepspeed = None
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
         if is_packed_batch(inputs):

@@ -79,6 +79,7 @@ def main() -> None:
         "start_digest": start_digest,
         "end_digest": weights_digest(trainer.model),
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+        "deepspeed": bool(args.deepspeed),
     }
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.output_dir) / f"rank{args.process_index}.json").write_text(json.dumps(report))

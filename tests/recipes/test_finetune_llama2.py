@@ -144,3 +144,25 @@ def test_recipe_on_real_chinese_alpaca_with_packing(tmp_path, hf_scale_cache):
     assert "### 回答:\n⟦" in result.stdout  # the rendered example shows the Chinese template and the trained span
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["eval_after_loss"] < metrics["eval_before_loss"]
+
+
+def test_recipe_under_torchrun_with_zero3_saves_a_whole_model(tmp_path, hf_scale_cache):
+    output_dir = tmp_path / "run"
+    flags = [
+        "--zero_preset",
+        "zero3",
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        "10",
+        "--exact_match_samples",
+        "8",
+        "--eval_strategy",
+        "no",
+    ]
+    result = run_command(torchrun(RECIPE, *flags), timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["eval_after_loss"] < metrics["eval_before_loss"]  # evaluated before train() under ZeRO-3 too
+    model = AutoModelForCausalLM.from_pretrained(output_dir)  # 16-bit weights gathered on save
+    assert all(p.numel() > 0 for p in model.parameters())
