@@ -1,4 +1,8 @@
-"""DeepSpeed ZeRO presets shipped as JSON beside this file, with "auto" wherever the HF integration fills values in."""
+"""DeepSpeed ZeRO presets shipped as JSON beside this file, with "auto" wherever the HF integration fills values in.
+
+The offload presets name an AdamW optimizer: DeepSpeed refuses the Trainer's torch optimizer when the
+optimizer states live on the CPU, and with this section it runs its own CPU Adam (AdamW mode) instead.
+"""
 
 from __future__ import annotations
 

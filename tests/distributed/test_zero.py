@@ -1,4 +1,7 @@
-"""ZeRO presets really train: 2 processes on CPU, the same fp32 losses as plain DDP, step by step."""
+"""ZeRO presets really train: 2 processes on CPU, the same fp32 losses as plain DDP, step by step.
+
+The offload presets run DeepSpeed's CPU Adam, compiled on first use into TORCH_EXTENSIONS_DIR (about a minute).
+"""
 
 import json
 
@@ -26,8 +29,16 @@ def ddp_losses(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.parametrize(
     "preset, evaluate_first",
-    [("zero0", False), ("zero1", False), ("zero2", True), ("zero3", True)],
-    ids=["zero0", "zero1", "zero2-evaluate-then-train", "zero3-evaluate-then-train"],
+    [
+        ("zero0", False),
+        ("zero1", False),
+        ("zero2", True),
+        ("zero2_offload", False),
+        ("zero3", True),
+        ("zero3_offload_optimizer", False),
+        ("zero3_offload", True),
+    ],
+    ids=lambda value: {True: "evaluate-then-train", False: "train"}.get(value, value),
 )
 def test_preset_matches_ddp(tmp_path, ddp_losses, preset, evaluate_first):
     flags = ["--zero_preset", preset, *(["--evaluate_first"] if evaluate_first else [])]
@@ -35,5 +46,5 @@ def test_preset_matches_ddp(tmp_path, ddp_losses, preset, evaluate_first):
     assert rank0["wrapper"] == rank1["wrapper"] == "DeepSpeedEngine" and rank0["world_size"] == 2
     assert max(abs(a - b) for a, b in zip(rank0["losses"], ddp_losses, strict=True)) < 1e-4
     assert rank0["losses"][-1] < rank0["losses"][0] / 2
-    if preset != "zero3":  # under ZeRO-3 each rank holds only its shard
+    if not preset.startswith("zero3"):  # under ZeRO-3 each rank holds only its shard
         assert rank0["end_digest"] == rank1["end_digest"]
