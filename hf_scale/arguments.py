@@ -11,6 +11,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hf_scale.distributed import has_accelerator, launched_world_size
 from hf_scale.errors import ConfigError
+from hf_scale.presets.consistency import check_against_arguments, load_deepspeed_config
 
 
 @dataclass
@@ -60,6 +61,9 @@ class ScaleTrainingArguments(TrainingArguments):
             self.gradient_accumulation_steps = accumulation_for_global_batch(
                 self.global_batch_size, self.per_device_train_batch_size, world_size
             )
+        if self.deepspeed:
+            self.deepspeed = load_deepspeed_config(self.deepspeed)
+            check_against_arguments(self.deepspeed, self, world_size)
         if self.resume:
             check_resumable(self.output_dir)
         super().__post_init__()

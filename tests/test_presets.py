@@ -28,3 +28,28 @@ def test_overrides_merge_one_level_and_do_not_leak():
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="unknown preset 'zero7'"):
         zero_preset("zero7")
+
+
+def test_explicit_deepspeed_values_that_contradict_the_arguments_are_named(tmp_path):
+    from hf_scale.arguments import ScaleTrainingArguments
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "optimizer": {"params": {"lr": 1e-4}}}
+    with pytest.raises(ConfigError) as error:
+        ScaleTrainingArguments(
+            output_dir=str(tmp_path), deepspeed=config, per_device_train_batch_size=8, learning_rate=2e-5
+        )
+    message = str(error.value)
+    assert "train_micro_batch_size_per_gpu=4 but per_device_train_batch_size=8" in message
+    assert "optimizer.params.lr=0.0001 but learning_rate=2e-05" in message
+    assert "gradient_clipping" not in message  # 1.0 is the Trainer's max_grad_norm too
+
+
+def test_deepspeed_file_problems_are_named(tmp_path):
+    from hf_scale.arguments import ScaleTrainingArguments
+
+    with pytest.raises(ConfigError, match="deepspeed: config file not found: .*nope.json"):
+        ScaleTrainingArguments(output_dir=str(tmp_path), deepspeed=str(tmp_path / "nope.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{stage: 2")
+    with pytest.raises(ConfigError, match="deepspeed: .*bad.json is not valid JSON"):
+        ScaleTrainingArguments(output_dir=str(tmp_path), deepspeed=str(bad))
