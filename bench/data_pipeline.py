@@ -17,14 +17,13 @@ import time
 from functools import partial
 from pathlib import Path
 
-import torch
-from transformers import DataCollatorForSeq2Seq, LlamaConfig, LlamaForCausalLM
+from transformers import DataCollatorForSeq2Seq
 
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.data.batching import make_collator, padding_fraction
 from hf_scale.data.templates import get_template
 from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
-from hf_scale.tiny.build import build_tiny_tokenizer
+from hf_scale.tiny.build import build_tiny_model, build_tiny_tokenizer
 from hf_scale.trainer import ScaleTrainer
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
@@ -66,18 +65,8 @@ def examples_per_second(function, records, repeats: int = 3) -> float:
 
 
 def real_tokens_per_second(dataset, tokenizer, packing: bool, steps: int, batch_size: int) -> float:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=MAX_LENGTH * batch_size,
-        initializer_range=0.1,
-        tie_word_embeddings=True,
-    )
+    # packed rows hold a whole batch, so positions go up to batch x max_length
+    model = build_tiny_model(tokenizer, max_position_embeddings=MAX_LENGTH * batch_size)
     if packing:
         collator = make_collator(tokenizer, packing=True)
     else:
@@ -98,7 +87,7 @@ def real_tokens_per_second(dataset, tokenizer, packing: bool, steps: int, batch_
             logging_steps=steps,
             seed=0,
         )
-        trainer = ScaleTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=subset, data_collator=collator)
+        trainer = ScaleTrainer(model=model, args=args, train_dataset=subset, data_collator=collator)
         start = time.perf_counter()
         trainer.train()
         return real_tokens / (time.perf_counter() - start)

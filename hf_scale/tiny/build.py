@@ -56,7 +56,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = N
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS, add_bos_token=False)
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, max_position_embeddings: int = 512) -> LlamaForCausalLM:
     """A 3-layer LLaMA with hidden size 64, randomly initialised at a fixed seed."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -65,7 +65,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
