@@ -7,10 +7,11 @@ import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
+from hf_scale.checkpoints import last_complete_checkpoint
 from hf_scale.distributed import has_accelerator, launched_world_size
 from hf_scale.errors import ConfigError
+from hf_scale.output_dir import check_output_dir
 from hf_scale.presets.consistency import check_against_arguments, load_deepspeed_config
 
 
@@ -30,12 +31,80 @@ class ScaleTrainingArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "A DeepSpeed ZeRO preset shipped with hf_scale, by name (see `hf_scale.presets`); it sets "
-            "`deepspeed`. Leave empty to set `deepspeed` yourself or to train without DeepSpeed."
+            "`deepspeed`. 'auto' asks the memory planner for the fastest that fits (see plan_model). Leave "
+            "empty to set `deepspeed` yourself or to train without DeepSpeed."
         },
     )
     resume: bool = field(
         default=False,
         metadata={"help": "Resume from the newest checkpoint in output_dir; an error if there is none."},
+    )
+    plan_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "With zero_preset='auto': the model the planner sizes (hub id, local folder or a known "
+            "LLaMA-2 name; only its config is read). The recipe fills it from model_name_or_path."
+        },
+    )
+    plan_gpu: str | None = field(
+        default=None,
+        metadata={
+            "help": "With zero_preset='auto': the GPU from the planner's catalogue (a100-80g, rtx4090-24g, ...); "
+            "by default the CUDA device found."
+        },
+    )
+    plan_seq_len: int = field(
+        default=2048,
+        metadata={"help": "With zero_preset='auto': the longest sequence the planner sizes activations for."},
+    )
+    lr_scheduler_type: str = field(
+        default="cosine",
+        metadata={
+            "help": "Learning rate schedule after warmup (HF SchedulerType). hf_scale's default is cosine; "
+            "set min_learning_rate for a cosine that ends at a floor."
+        },
+    )
+    warmup_steps: float = field(
+        default=0.03,
+        metadata={
+            "help": "Linear warmup from 0 to learning_rate: an integer is steps, a float in [0, 1) a ratio of all "
+            "steps (transformers 5). hf_scale's default is 3 percent of the steps."
+        },
+    )
+    min_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Floor of the cosine schedule (sets lr_scheduler_type=cosine_with_min_lr)."},
+    )
+    early_stopping_patience: int | None = field(
+        default=None,
+        metadata={
+            "help": "Stop after this many evaluations without improvement of metric_for_best_model (eval_loss "
+            "by default; its direction from greater_is_better), and end the run with the best checkpoint's "
+            "weights: it turns load_best_model_at_end on, whatever it was set to."
+        },
+    )
+    early_stopping_threshold: float = field(
+        default=0.0,
+        metadata={"help": "The least change of the metric that counts as an improvement for early stopping."},
+    )
+    log_throughput: bool = field(
+        default=True,
+        metadata={
+            "help": "Log real (non-pad) tokens/s, samples/s, TFLOP/s per device, MFU (on a known GPU) and peak "
+            "memory at each logging step, through the normal log (so report_to gets them)."
+        },
+    )
+    divergence_action: str = field(
+        default="stop",
+        metadata={
+            "help": "On a NaN/Inf loss (or a spike, see divergence_spike_factor): 'stop' saves a checkpoint and "
+            "stops with a message naming the step and learning rate; 'skip' drops that micro-batch's gradient, "
+            "counts it and trains on; 'off' trains on as the stock Trainer does."
+        },
+    )
+    divergence_spike_factor: float | None = field(
+        default=None,
+        metadata={"help": "Also treat a loss above this factor x its running mean as divergence (e.g. 5)."},
     )
     auto_cpu_ddp: bool = field(
         default=True,
@@ -56,24 +125,68 @@ class ScaleTrainingArguments(TrainingArguments):
                 raise ConfigError("zero_preset and deepspeed are both set: give one DeepSpeed config, not two")
             from hf_scale.presets import zero_preset
 
-            self.deepspeed = zero_preset(self.zero_preset)
-        if self.global_batch_size is not None:
-            self.gradient_accumulation_steps = accumulation_for_global_batch(
-                self.global_batch_size, self.per_device_train_batch_size, world_size
-            )
+            if self.zero_preset == "auto":
+                self.zero_preset = self._planned_preset(world_size)
+            self.deepspeed = zero_preset(self.zero_preset) if self.zero_preset != "ddp" else None
         if self.deepspeed:
             self.deepspeed = load_deepspeed_config(self.deepspeed)
+            if world_size % self.tensor_parallel_size:
+                raise ConfigError(
+                    f"deepspeed: tensor_parallel.autotp_size={self.tensor_parallel_size} needs a multiple of "
+                    f"{self.tensor_parallel_size} processes, got {world_size}"
+                )
+        if self.global_batch_size is not None:
+            self.gradient_accumulation_steps = accumulation_for_global_batch(
+                self.global_batch_size, self.per_device_train_batch_size, world_size // self.tensor_parallel_size
+            )
+        if self.deepspeed:
             check_against_arguments(self.deepspeed, self, world_size)
         if self.resume:
             check_resumable(self.output_dir)
+        self._set_schedule_and_early_stopping()
         super().__post_init__()
+        check_output_dir(self.output_dir)  # a run that could never save stops before any work
         if self.deepspeed and self.use_cpu and world_size > 1:
             _start_deepspeed_comm(self)
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """Processes that split each layer (DeepSpeed AutoTP); they all see the same batch."""
+        config = self.deepspeed if isinstance(self.deepspeed, dict) else {}
+        return int(config.get("tensor_parallel", {}).get("autotp_size", 1))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Processes that each see their own batch: all of them, less tensor parallelism."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
     def effective_batch_size(self) -> int:
         """Examples per optimizer step across all processes."""
-        return self.per_device_train_batch_size * self.world_size * self.gradient_accumulation_steps
+        return self.per_device_train_batch_size * self.data_parallel_size * self.gradient_accumulation_steps
+
+    def _set_schedule_and_early_stopping(self) -> None:
+        if self.divergence_action not in ("stop", "skip", "off"):
+            raise ConfigError(f"divergence_action: {self.divergence_action!r} is not one of stop, skip, off")
+        if self.min_learning_rate is not None:
+            if not 0 <= self.min_learning_rate < self.learning_rate:
+                raise ConfigError(
+                    f"min_learning_rate={self.min_learning_rate} must be at least 0 and below "
+                    f"learning_rate={self.learning_rate}"
+                )
+            self.lr_scheduler_type = "cosine_with_min_lr"
+            self.lr_scheduler_kwargs = {"min_lr": self.min_learning_rate}
+        if self.early_stopping_patience is not None:
+            if self.early_stopping_patience < 1:
+                raise ConfigError(f"early_stopping_patience={self.early_stopping_patience} must be at least 1")
+            if str(self.eval_strategy) in ("no", "IntervalStrategy.NO"):
+                raise ConfigError("early_stopping_patience needs evaluations: set eval_strategy to steps or epoch")
+            self.load_best_model_at_end = True  # the run ends with the best weights, and saves those
+
+    def _planned_preset(self, world_size: int) -> str:
+        from hf_scale.presets.auto import planned_preset
+
+        return planned_preset(self, world_size)
 
 
 def accumulation_for_global_batch(global_batch_size: int, per_device_batch_size: int, world_size: int) -> int:
@@ -92,8 +205,8 @@ def check_resumable(output_dir: str | None) -> None:
     """`--resume` needs a `checkpoint-*` folder in output_dir; say so before any work starts."""
     if not output_dir or not os.path.isdir(output_dir):
         raise ConfigError(f"resume: output_dir {output_dir!r} does not exist, so there is nothing to resume")
-    if get_last_checkpoint(output_dir) is None:
-        raise ConfigError(f"resume: no checkpoint-* folder in output_dir {output_dir!r}")
+    if last_complete_checkpoint(output_dir) is None:
+        raise ConfigError(f"resume: no complete checkpoint-* folder in output_dir {output_dir!r}")
 
 
 def _start_deepspeed_comm(args: TrainingArguments) -> None:

@@ -1,4 +1,6 @@
-"""The `hf-scale` command: `plan` (memory per strategy and a recommendation) and `presets` (list, show)."""
+"""The `hf-scale` command: `plan` (memory per strategy and a recommendation), `presets` (list, show), `train` (the
+fine-tuning recipe), `search` (the hyperparameter search recipe), `report` (a search's trials table and plots)
+and `env` (versions, devices, DeepSpeed ops)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,14 @@ PLAN_EXAMPLES = """examples:
   hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4
   hf-scale plan --model meta-llama/Llama-2-70b-hf --gpu a100-80g --gpus 8 --nodes 2 --seq-len 2048 --grad-ckpt
   hf-scale plan --model ./my-model --gpu rtx4090-24g --gpus 4 --micro-batch 1 --lora-r 16 --json
+"""
+
+
+TRAIN_EXAMPLES = """examples:
+  hf-scale train                                   # the embedded tiny default, on any CPU
+  hf-scale train --config recipes/configs/llama2_7b_4xa100_zero1.yaml --learning_rate 3e-5
+  accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml -m hf_scale.cli train \\
+      --config recipes/configs/llama2_7b_4xa100_zero1.yaml
 """
 
 
@@ -90,12 +100,46 @@ def presets_command(options: argparse.Namespace) -> None:
 
     if options.action == "list":
         for name in list_presets():
-            stage = zero_preset(name)["zero_optimization"]["stage"]
-            print(f"{name:<18} ZeRO-{stage}")
+            config = zero_preset(name)
+            tensor_parallel = config.get("tensor_parallel", {}).get("autotp_size")
+            offload = [kind for kind in ("optimizer", "param") if f"offload_{kind}" in config["zero_optimization"]]
+            print(
+                f"{name:<26} ZeRO-{config['zero_optimization']['stage']}"
+                + (f" + AutoTP tensor parallel {tensor_parallel}" if tensor_parallel else "")
+                + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")
+            )
     else:
         if not options.name:
             raise HfScaleError("presets show needs a preset name: hf-scale presets show zero2")
         print(json.dumps(zero_preset(options.name), indent=2))
+
+
+def train_command(options: argparse.Namespace) -> None:
+    from hf_scale.recipe_runner import run_recipe
+
+    run_recipe("finetune_llama2.py", options.recipe_args)
+
+
+def env_command(options: argparse.Namespace) -> None:
+    from hf_scale.environment import environment_report, render_environment
+
+    report = environment_report()
+    print(json.dumps(report, indent=2) if options.json else render_environment(report))
+
+
+def search_command(options: argparse.Namespace) -> None:
+    from hf_scale.hpo.recipe_path import run_search_recipe
+
+    run_search_recipe(options.recipe_args)
+
+
+def report_command(options: argparse.Namespace) -> None:
+    from hf_scale.hpo.report import load_study, render_summary, trials_table, write_report
+
+    study = load_study(options.study, options.study_name)
+    print(render_summary(study, trials_table(study)))
+    if options.out:
+        print(f"trials table and plots in {write_report(study, options.out)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +169,37 @@ def build_parser() -> argparse.ArgumentParser:
     presets_parser.add_argument("action", choices=["list", "show"])
     presets_parser.add_argument("name", nargs="?", help="preset to show")
     presets_parser.set_defaults(run=presets_command)
+
+    train_parser = commands.add_parser(
+        "train",
+        help="fine-tune (recipes/finetune_llama2.py; launch with accelerate or torchrun for many GPUs)",
+        description="Runs recipes/finetune_llama2.py with the flags given; with none, the tiny CPU default.",
+        epilog=TRAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,  # -h and every flag belong to the recipe
+        prefix_chars="\0",
+    )
+    train_parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags, e.g. --config X")
+    train_parser.set_defaults(run=train_command)
+
+    env_parser = commands.add_parser("env", help="versions, devices, DeepSpeed ops and what is missing")
+    env_parser.add_argument("--json", action="store_true", help="machine-readable output")
+    env_parser.set_defaults(run=env_command)
+
+    search_parser = commands.add_parser(
+        "search",
+        help="hyperparameter search (recipes/search_llama2.py; launch with accelerate or torchrun)",
+        add_help=False,  # -h and every flag belong to the recipe
+        prefix_chars="\0",
+    )
+    search_parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags, e.g. --config X")
+    search_parser.set_defaults(run=search_command)
+
+    report_parser = commands.add_parser("report", help="trials table and plots of a search's study")
+    report_parser.add_argument("study", help="a study file (optuna_study.db, a journal file) or a storage URL")
+    report_parser.add_argument("--study-name", help="needed when the storage holds several studies")
+    report_parser.add_argument("--out", help="folder for trials.csv, trials.json and the plots")
+    report_parser.set_defaults(run=report_command)
     return parser
 
 

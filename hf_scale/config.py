@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,8 @@ def parse_config(parser: HfArgumentParser, argv: list[str]) -> tuple:
         raise
     except ValueError as error:  # TrainingArguments' own checks of value combinations
         raise ConfigError(f"invalid arguments: {error}") from None
+    except (OSError, TypeError, KeyError, AttributeError) as error:  # a value it could not use: a path to no file
+        raise ConfigError(f"invalid arguments: {type(error).__name__}: {error}") from None
     _refuse_leftovers(remaining, raising)
     return tuple(outputs)
 
@@ -127,10 +130,21 @@ def _flags_from(parser: HfArgumentParser, argv: list[str]) -> tuple[_RaisingPars
             if key in _flag_keys(cli_args):
                 continue  # the flag wins; the file's value is not even checked
             if value is None:
+                if not _takes_none(parser, key):  # else a check such as `lora_r < 0` fails on None, far away
+                    raise ConfigError(f"{source}: key {key!r} cannot be null (leave the key out for its default)")
                 raising.set_defaults(**{key: None})  # null means None, which no flag can say
             else:
                 file_args += _flags_for(key, value, actions[key], source)
     return raising, file_args + cli_args, cli_args, config_path
+
+
+def _takes_none(parser: HfArgumentParser, key: str) -> bool:
+    """Whether the dataclass field behind `key` is typed to take None (`int | None`)."""
+    for dataclass_type in parser.dataclass_types:
+        hints = typing.get_type_hints(dataclass_type)
+        if key in hints:
+            return type(None) in typing.get_args(hints[key])
+    return True
 
 
 def _actions(parser: HfArgumentParser) -> dict[str, Any]:

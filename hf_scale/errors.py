@@ -15,3 +15,7 @@ class DataError(HfScaleError, ValueError):
 
 class DistributedSetupError(HfScaleError, RuntimeError):
     """The processes are not training together as they should (for example DDP silently off on CPU)."""
+
+
+class SaveError(HfScaleError, OSError):
+    """Writing a checkpoint or the model failed (disk full, folder not writable); the message names the folder."""

@@ -1,59 +1,150 @@
-"""Held-out greedy exact match: does the model write exactly the expected response?"""
+"""Held-out generation metrics: greedy, batched, left-padded generation scored by local `evaluate` modules.
+
+Only token ids and decoded text are ever kept: `generate` returns ids (no scores, no logits), each batch is
+decoded as soon as it is generated, so evaluation memory is one batch's worth whatever the size of the set.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import reduce
+from accelerate.utils import gather_object
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_scale.data.templates import PromptTemplate
 from hf_scale.data.tokenize import prompt_ids
+from hf_scale.metrics import load_metric
+
+GENERATION_METRICS = ("exact_match", "token_f1")
+
+
+def rank_share(records: Sequence[dict[str, str]], state: PartialState) -> Sequence[dict[str, str]]:
+    """This process's contiguous share of `records`: concatenated in rank order, the shares are `records`."""
+    per_process = math.ceil(len(records) / state.num_processes)
+    first = state.process_index * per_process
+    return records[first : first + per_process]
 
 
 @torch.no_grad()
+def generate_responses(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    records: Sequence[dict[str, str]],
+    template: PromptTemplate,
+    max_new_tokens: int = 16,
+    batch_size: int = 64,
+) -> list[str]:
+    """Greedy responses to this process's share of `records` (see `rank_share`), in order.
+
+    Every process runs the same number of `generate` calls (a process with no records left runs a dummy batch it
+    does not keep), so ZeRO-3's synchronised generation never waits on a peer that stopped early. The model is put
+    in eval mode and the caller's mode is restored.
+    """
+    state = PartialState()
+    mine = rank_share(records, state)
+    largest_share = math.ceil(len(records) / state.num_processes)
+    calls = math.ceil(largest_share / batch_size)
+    texts: list[str] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for call in range(calls):
+            batch = mine[call * batch_size : (call + 1) * batch_size]
+            generated = _generate_batch(model, tokenizer, batch or records[:1], template, max_new_tokens)
+            if batch:
+                texts.extend(generated)
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def _generate_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: Sequence[dict[str, str]],
+    template: PromptTemplate,
+    max_new_tokens: int,
+) -> list[str]:
+    """Greedy-generate one left-padded batch and decode the new tokens (special tokens, padding included, dropped)."""
+    prompts = [prompt_ids(tokenizer, template.format_prompt(r["instruction"], r.get("input") or "")) for r in batch]
+    # Left padding: every prompt ends at the last column, where generation appends.
+    inputs = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
+    generated = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=tokenizer.pad_token_id,
+        # Ids only: scores or logits of every step would be kept for the whole batch.
+        output_scores=False,
+        output_logits=False,
+        return_dict_in_generate=False,
+    )
+    return tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def generation_metrics(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    records: Sequence[dict[str, str]],
+    template: PromptTemplate,
+    max_new_tokens: int = 16,
+    batch_size: int = 64,
+    metrics: Sequence[str] = GENERATION_METRICS,
+) -> dict[str, float]:
+    """Score the greedy responses to `records` against their `output` with the local metric modules `metrics`.
+
+    Returns one value per metric, keyed by its name (`exact_match`, `token_f1`), the same on every process. The
+    responses of all processes are gathered in record order before scoring, so N processes give exactly the
+    1-process value; the texts are a few bytes per record, never logits.
+    """
+    if not records:
+        raise ValueError("generation_metrics needs at least one record")
+    # Loaded first: an unknown metric name fails before any generation.
+    modules = [load_metric(name) for name in metrics]
+    texts = generate_responses(model, tokenizer, records, template, max_new_tokens, batch_size)
+    if PartialState().num_processes > 1:
+        texts = gather_object(texts)
+    if len(texts) != len(records):
+        raise RuntimeError(f"generated {len(texts)} responses for {len(records)} records")
+    references = [r["output"] for r in records]
+    scores: dict[str, float] = {}
+    for module in modules:
+        result = module.compute(predictions=texts, references=references)
+        scores.update({key: float(value) for key, value in result.items()})
+    return scores
+
+
+@dataclass
+class GenerationEval:
+    """Held-out records that `ScaleTrainer.evaluate()` answers greedily and scores, beside the eval loss.
+
+    The scores appear as `eval_exact_match` and `eval_token_f1` (with the evaluation's prefix), so they can be
+    `metric_for_best_model` and the early-stopping metric. `tokenizer` defaults to the trainer's
+    processing_class.
+    """
+
+    records: Sequence[dict[str, str]]
+    template: PromptTemplate
+    max_new_tokens: int = 16
+    batch_size: int = 64
+    metrics: Sequence[str] = GENERATION_METRICS
+    tokenizer: PreTrainedTokenizerBase | None = None
+
+
 def greedy_exact_match(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    records: list[dict[str, str]],
+    records: Sequence[dict[str, str]],
     template: PromptTemplate,
     max_new_tokens: int = 16,
     batch_size: int = 64,
 ) -> float:
-    """Share of `records` whose greedy generation, stripped, equals their stripped `output`.
-
-    Each process takes a contiguous share of the records and every process runs the same number of
-    `generate` calls (a process with no records left runs a dummy batch it does not count), so ZeRO-3's
-    synchronised generation never waits on a peer that stopped early. The counts are summed.
-    """
-    if not records:
-        raise ValueError("greedy_exact_match needs at least one record")
-    state = PartialState()
-    per_process = math.ceil(len(records) / state.num_processes)
-    first = state.process_index * per_process
-    mine = records[first : first + per_process]
-    counts = torch.zeros(2, dtype=torch.long, device=state.device)  # (exact matches, records counted)
-
-    was_training = model.training
-    model.eval()
-    for start in range(0, per_process, batch_size):
-        batch = mine[start : start + batch_size]
-        counted = bool(batch)
-        batch = batch or records[:1]
-        prompts = [prompt_ids(tokenizer, template.format_prompt(r["instruction"], r["input"])) for r in batch]
-        inputs = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
-        generated = model.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
-        if not counted:
-            continue
-        texts = tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        counts[0] += sum(text.strip() == record["output"].strip() for text, record in zip(texts, batch, strict=True))
-        counts[1] += len(batch)
-    model.train(was_training)
-
-    if state.num_processes > 1:
-        counts = reduce(counts, reduction="sum")
-    return counts[0].item() / counts[1].item()
+    """Share of `records` whose greedy generation, stripped, equals their stripped `output`."""
+    return generation_metrics(model, tokenizer, records, template, max_new_tokens, batch_size, ("exact_match",))[
+        "exact_match"
+    ]

@@ -45,3 +45,23 @@ def get_gpu(name: str) -> GPU:
     if name not in CATALOGUE:
         raise ConfigError(f"gpu: unknown GPU {name!r}; known GPUs: {', '.join(CATALOGUE)}")
     return CATALOGUE[name]
+
+
+# Words in `torch.cuda.get_device_name()` that identify each catalogue entry ("NVIDIA A100-SXM4-80GB",
+# "NVIDIA GeForce RTX 4090", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA L40S").
+_DEVICE_NAME_WORDS = {
+    "a100-80g": ("A100", "80GB"),
+    "a100-40g": ("A100",),
+    "rtx4090-24g": ("4090",),
+    "l40s-48g": ("L40S",),
+    "h100-80g": ("H100",),
+    "h200-141g": ("H200",),
+}
+
+
+def gpu_from_device_name(device_name: str) -> GPU | None:
+    """The catalogue entry for a CUDA device name, or None when the catalogue does not know the card."""
+    for name, words in _DEVICE_NAME_WORDS.items():
+        if all(word in device_name for word in words):
+            return CATALOGUE[name]
+    return None

@@ -1,10 +1,13 @@
 """The memory planner: what each training strategy needs per GPU and per node, and which one to pick.
 
-Accounting. Model states follow DeepSpeed's own estimators (what a run allocates; `accounting="deepspeed"`):
-ZeRO keeps 16-bit parameters and gradients plus fp32 master weights, fp32 gradient partitions and two fp32
-Adam moments, so ZeRO-2 needs 2P + 18P/N bytes per GPU and ZeRO-3 18P/N plus a gather buffer of four bytes
-per parameter of the largest layer. The ZeRO paper counts 2 + 2 + 12 bytes per parameter (no fp32 gradient
-copy); `accounting="paper"` reproduces its figures. Plain DDP under autocast holds fp32 weights, fp32
+Accounting. Model states are what a DeepSpeed engine really holds (`accounting="deepspeed"`), read from its
+tensors on a real run (tests/distributed/test_zero_memory.py): 16-bit parameters and gradients, plus fp32
+master weights, fp32 gradient partitions and two fp32 Adam moments. ZeRO-2 then needs 2P + 18P/N bytes per
+GPU, as DeepSpeed's own estimator says. ZeRO-3 needs 20P/N plus a gather buffer of four bytes per parameter of
+the largest layer: DeepSpeed's stage-3 estimator says 18P/N, counting one gradient partition where the engine
+holds two (the 16-bit one and, while the optimizer steps, its fp32 copy); we count what is allocated.
+The ZeRO paper counts 2 + 2 + 12 bytes per parameter (no fp32 gradient copy); `accounting="paper"`
+reproduces its figures. Plain DDP under autocast holds fp32 weights, fp32
 gradients and two fp32 moments: 16P. Activations are counted per token and layer for a LLaMA block with a
 fused attention kernel (no attention matrix kept), in bf16, plus the fp32 logits the loss needs; with
 gradient checkpointing only each layer's input is kept, plus one layer recomputed at a time. Framework
@@ -90,6 +93,7 @@ class StrategyEstimate:
     parameters: float
     gradients: float
     optimizer_states: float
+    gather_buffer: float
     activations: float
     overhead: float
     cpu_per_node: float
@@ -100,7 +104,7 @@ class StrategyEstimate:
 
     @property
     def model_states(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_states
+        return self.parameters + self.gradients + self.optimizer_states + self.gather_buffer
 
     @property
     def total(self) -> float:
@@ -121,23 +125,27 @@ class Plan:
 
 
 def model_states(strategy: str, parameters: float, gpus: int, largest_layer: float, accounting: Accounting):
-    """(parameters, gradients, optimizer states) bytes per GPU and host bytes per node, for full fine-tuning."""
+    """(parameters, gradients, optimizer states, gather buffer) bytes per GPU for full fine-tuning.
+
+    The deepspeed split was read from a real engine's tensors (tests/distributed/test_zero_memory.py):
+    16-bit parameters (whole, or a 1/N shard under ZeRO-3); gradients as a 16-bit partition plus the fp32 copy
+    of it that exists while the optimizer steps (ZeRO-1 holds the whole 16-bit gradient until the reduction,
+    and frees it before the fp32 partition is made, so its peak is the larger of the two); fp32 master weights
+    and two fp32 Adam moments, a 1/N shard each.
+    """
     p, n = parameters, gpus
-    fp32_grads = 4 if accounting == "deepspeed" else 0  # DeepSpeed keeps an fp32 copy of its gradient partition
     if strategy == "ddp":
         return (4 * p, 4 * p, 8 * p, 0.0) if accounting == "deepspeed" else (2 * p, 2 * p, 12 * p, 0.0)
+    if accounting == "paper":
+        gradients = 2 * p if strategy == "zero1" else 2 * p / n
+        return (2 * p / n if strategy == "zero3" else 2 * p), gradients, 12 * p / n, 0.0
     if strategy == "zero1":
-        return 2 * p, 2 * p + fp32_grads * p / n, 12 * p / n, 0.0
+        return 2 * p, max(2 * p, 6 * p / n), 12 * p / n, 0.0
     if strategy == "zero2":
-        return 2 * p, (2 + fp32_grads) * p / n, 12 * p / n, 0.0
+        return 2 * p, 6 * p / n, 12 * p / n, 0.0
     if strategy == "zero3":
-        if accounting == "paper":
-            return 2 * p / n, 2 * p / n, 12 * p / n, 0.0
-        # DeepSpeed's stage-3 estimator: 18 bytes per parameter over N GPUs plus a 16-bit gather buffer for the
-        # largest layer's parameters and gradients. We split the 18 as 2 (16-bit parameters) + 4 (16-bit
-        # gradients and their reduce buffer) + 12 (fp32 master weights, two Adam moments); the split is yet to
-        # be checked against a real engine's tensors, the total is DeepSpeed's.
-        return 2 * p / n + 4 * largest_layer, 4 * p / n, 12 * p / n, 0.0
+        # The gather buffer holds the largest layer's 16-bit parameters and gradients while it computes.
+        return 2 * p / n, 6 * p / n, 12 * p / n, 4 * largest_layer
     raise ValueError(f"no model-state formula for {strategy!r}")
 
 
@@ -160,19 +168,19 @@ def estimate(shape: ModelShape, workload: Workload, strategy: str, accounting: A
     """The estimate of one strategy."""
     p, n = float(shape.parameters), workload.gpus
     largest = float(shape.largest_layer_parameters)
-    buckets = 0.0
+    buckets, gather, cpu = 0.0, 0.0, 0.0
     if strategy in ("ddp", "zero1", "zero2", "zero3"):
-        params, grads, optim, cpu = model_states(strategy, p, n, largest, accounting)
+        params, grads, optim, gather = model_states(strategy, p, n, largest, accounting)
         buckets = 2 * ALLGATHER_BUCKET_ELEMENTS if strategy in ("zero1", "zero2") else 0.0
     elif strategy == "zero2_offload":
         params, grads, optim = 2 * p, 0.0, 0.0
         cpu = p * max(4 * n, 16) * OFFLOAD_BUFFER_FACTOR / workload.nodes
     elif strategy == "zero3_offload":
-        params, grads, optim = 4 * largest, 0.0, 0.0
+        params, grads, optim, gather = 0.0, 0.0, 0.0, 4 * largest
         cpu = p * 18 / workload.nodes * OFFLOAD_BUFFER_FACTOR
     elif strategy == "lora":
         trainable = shape.lora_parameters(workload.lora_r, workload.lora_targets)
-        params, grads, optim, cpu = 2 * p + 4 * trainable, 4 * trainable, 8 * trainable, 0.0
+        params, grads, optim = 2 * p + 4 * trainable, 4 * trainable, 8 * trainable
     else:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     result = StrategyEstimate(
@@ -180,6 +188,7 @@ def estimate(shape: ModelShape, workload: Workload, strategy: str, accounting: A
         parameters=params,
         gradients=grads,
         optimizer_states=optim,
+        gather_buffer=gather,
         activations=activation_bytes(shape, workload),
         overhead=CONTEXT_BYTES + buckets,
         cpu_per_node=cpu,

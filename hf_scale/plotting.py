@@ -35,3 +35,23 @@ def plot_loss_curve(log_history: list[dict], path: str | Path) -> Path:
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def plot_learning_rate(log_history: list[dict], path: str | Path) -> Path:
+    """Save the learning rate against the step (warmup, then the schedule) as a PNG; return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(entry["step"], entry["learning_rate"]) for entry in log_history if "learning_rate" in entry]
+    figure, axes = plt.subplots(figsize=(7, 3))
+    axes.plot([step for step, _ in points], [rate for _, rate in points])
+    axes.set_xlabel("step")
+    axes.set_ylabel("learning rate")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -49,5 +49,11 @@ def test_unknown_zero_preset_lists_the_known_ones(tmp_path):
 def test_resume_needs_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="resume: output_dir .* does not exist"):
         ScaleTrainingArguments(output_dir=str(tmp_path / "missing"), resume=True)
-    with pytest.raises(ConfigError, match="resume: no checkpoint-"):
+    with pytest.raises(ConfigError, match="resume: no complete checkpoint-"):
         ScaleTrainingArguments(output_dir=str(tmp_path), resume=True)
+
+
+
+def test_tensor_parallel_needs_a_multiple_of_its_size_in_processes(tmp_path):
+    with pytest.raises(ConfigError, match="autotp_size=2 needs a multiple of 2 processes, got 1"):
+        ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="autotp")

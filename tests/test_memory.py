@@ -50,7 +50,9 @@ def test_agrees_with_deepspeeds_estimators(shapes, name, gpus_per_node, nodes):
     assert ours("zero2_offload").model_states == pytest.approx(gpu, rel=0.01)
     assert ours("zero2_offload").cpu_per_node == pytest.approx(cpu / nodes, rel=0.01)
     _, gpu, _ = estimate_zero3_model_states_mem_needs(p, layer, gpus_per_node, nodes, cpu_offload=False)
-    assert ours("zero3").model_states == pytest.approx(gpu, rel=0.01)
+    # the engine holds a 16-bit gradient partition beside the fp32 one; the stage-3 estimator counts only one
+    bf16_gradient_partition = 2 * p / workload.gpus
+    assert ours("zero3").model_states - bf16_gradient_partition == pytest.approx(gpu, rel=0.01)
     cpu, gpu, _ = estimate_zero3_model_states_mem_needs(p, layer, gpus_per_node, nodes)
     assert ours("zero3_offload").model_states == pytest.approx(gpu, rel=0.01)
     assert ours("zero3_offload").cpu_per_node == pytest.approx(cpu, rel=0.01)

@@ -25,3 +25,18 @@ def test_named_configs_and_make_targets_exist():
     for target in ("demo", "test"):
         assert re.search(rf"^{target}:", makefile, re.MULTILINE)
     assert "accelerate launch recipes/finetune_llama2.py" in makefile
+
+
+def test_hf_scale_commands_print_what_the_readme_shows(capsys):
+    """Each `$ hf-scale ...` block: the command runs, and every line shown (up to a trailing ...) is printed."""
+    from hf_scale.cli import main
+
+    blocks = re.findall(r"```\n\$ hf-scale (.*?)\n(.*?)```", README, re.DOTALL)
+    assert len(blocks) >= 2
+    for command, shown in blocks:
+        assert main(command.split()) == 0, command
+        printed = capsys.readouterr().out.splitlines()
+        for line in shown.splitlines():
+            expected = line.removesuffix("...").rstrip()
+            if expected:
+                assert any(out.startswith(expected) for out in printed), (command, line)

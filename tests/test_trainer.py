@@ -38,7 +38,6 @@ def test_single_process_training_lowers_the_loss(tmp_path, tiny_model_dir, capsy
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses[-1] < losses[0] / 2
-    assert "effective batch 32 = 16 per device x 1 process(es) x 2 accumulation step(s)" in capsys.readouterr().out
-    assert (
-        describe_batch(args) == "hf_scale: effective batch 32 = 16 per device x 1 process(es) x 2 accumulation step(s)"
-    )
+    expected = "effective batch 32 = 16 per device x 1 data-parallel process(es) x 2 accumulation step(s)"
+    assert expected in capsys.readouterr().out
+    assert describe_batch(args) == f"hf_scale: {expected}"

@@ -18,6 +18,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from hf_scale.data.templates import PromptTemplate
+from hf_scale.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
 Truncation = Literal["keep_prompt", "cut_prompt_left", "drop"]
@@ -74,9 +75,9 @@ def tokenize_records(
     "cut_prompt_left" cuts the start of the prompt (after BOS), "drop" drops the record.
     """
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no EOS token: the model could never learn to stop")
+        raise ConfigError("the tokenizer has no EOS token: the model could never learn to stop")
     if truncation not in TRUNCATION_POLICIES:
-        raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
+        raise ConfigError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
         warnings.warn("pad == eos: the EOS of every example is still labelled (labels come from lengths)", stacklevel=2)
 
@@ -107,6 +108,20 @@ def tokenize_records(
         summary.tokens += len(source) + len(target)
         summary.label_tokens += sum(1 for label in labels[1:] if label != IGNORE_INDEX)
     return Dataset.from_dict(columns), summary
+
+
+def check_examples_left(name: str, summary: TokenizationSummary, max_length: int, truncation: str) -> None:
+    """A `DataError` naming max_length when the truncation policy dropped every record of set `name`.
+
+    Dropping some records is policy, and counted; dropping all leaves an empty set that fails later, far from
+    its cause (an empty batch, an empty evaluation).
+    """
+    if summary.records and not summary.examples:
+        raise DataError(
+            f"max_length={max_length} leaves no {name} example: all {summary.records} records dropped "
+            f"({summary.dropped_no_response} because the prompt alone fills max_length, {summary.dropped_too_long} "
+            f"too long with truncation={truncation!r}); raise max_length or choose another truncation"
+        )
 
 
 def _first_token_at_or_after(encoded, index: int, char: int, end: int, default: int) -> int:

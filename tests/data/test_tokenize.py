@@ -44,8 +44,14 @@ def check_exact(tokenizer, template, records, dataset, summary):
 text = st.text(
     alphabet=st.sampled_from(list("abcxyz ABC019.,?!:#\n\t-'\"") + list("数字中文，。")), min_size=1, max_size=40
 )
+# Outputs start with a visible character, as real Alpaca outputs do; one that starts with a newline can merge
+# with the template's last newline, which is counted (test_a_merge_across_the_boundary_is_counted_and_trained).
 record = st.fixed_dictionaries(
-    {"instruction": text.filter(str.strip), "input": st.one_of(st.just(""), text), "output": text.filter(str.strip)}
+    {
+        "instruction": text.filter(str.strip),
+        "input": st.one_of(st.just(""), text),
+        "output": text.filter(lambda s: s.strip() and not s[0].isspace()),
+    }
 )
 
 
@@ -66,6 +72,16 @@ def test_labels_are_exact_on_the_real_alpaca_sets(tokenizer, name, template):
     dataset, summary = tokenize_records(records, tokenizer, get_template(template), max_length=100_000)
     assert summary.examples == len(records) and summary.label_tokens > 0
     check_exact(tokenizer, get_template(template), records, dataset, summary)
+
+
+def test_a_merge_across_the_boundary_is_counted_and_trained(tokenizer):
+    record = {"instruction": "Add one to the number.", "input": "", "output": "\n0"}
+    dataset, summary = tokenize_records([record], tokenizer, ALPACA, max_length=256)
+    assert summary.boundary_merges == 1
+    ids, labels = dataset[0]["input_ids"], dataset[0]["labels"]
+    first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+    assert "\n" in tokenizer.decode([ids[first]])  # the merged token, holding the response's first character
+    assert labels[first:] == ids[first:]  # is trained on, with everything after it
 
 
 def test_eos_is_trained_on_when_pad_is_eos(tokenizer):

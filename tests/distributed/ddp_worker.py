@@ -1,16 +1,29 @@
 """Trains the tiny model for a few steps under a launcher and writes what each rank saw to rank<N>.json.
 
 Launched by the distributed tests (torchrun, single node or two nodes on loopback); not a test itself.
-Extra flags are ScaleTrainingArguments flags, e.g. `--auto_cpu_ddp false`.
+Extra flags are ScaleTrainingArguments flags, e.g. `--auto_cpu_ddp false`, plus the worker's own:
+`--evaluate_first` (evaluate before training), `--kill_after_checkpoint N` (rank `--kill_rank`, 0 by default,
+kills itself with SIGKILL once checkpoint N is saved), `--save_final` (evaluate after training and `save_model`
+to <output_dir>/final), `--ascent_after N` (from step N on the learning rate is negated: the eval loss falls,
+then rises).
+Each rank also writes the weights it holds to rank<N>.safetensors.
 """
 
+import argparse
+import contextlib
 import hashlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, HfArgumentParser
+from datasets import Dataset
+from safetensors.torch import save_file
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, HfArgumentParser, TrainerCallback
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.data.templates import ALPACA
@@ -25,13 +38,29 @@ def weights_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
+class KillAfterCheckpoint(TrainerCallback):
+    """One rank dies without warning (SIGKILL) right after checkpoint `step` is saved, as a preempted job does."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step and args.process_index == self.rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
-    evaluate_first = "--evaluate_first" in sys.argv  # the stock Trainer then trains without DDP
-    argv = [arg for arg in sys.argv[1:] if arg != "--evaluate_first"]
+    worker = argparse.ArgumentParser()
+    worker.add_argument("--evaluate_first", action="store_true")  # the stock Trainer then trains without DDP
+    worker.add_argument("--kill_after_checkpoint", type=int)
+    worker.add_argument("--kill_rank", type=int, default=0)
+    worker.add_argument("--save_final", action="store_true")
+    worker.add_argument("--ascent_after", type=int)
+    options, argv = worker.parse_known_args()
     (args,) = HfArgumentParser(ScaleTrainingArguments).parse_args_into_dataclasses(
         [
             "--max_steps",
@@ -57,21 +86,28 @@ def main() -> None:
     with args.main_process_first():
         path = ensure_tiny_model()
     tokenizer = load_tokenizer(str(path))
-    train_records, _ = generate_tasks()
-    dataset, _ = tokenize_records(train_records[:256], tokenizer, ALPACA, max_length=128)
+    dataset = tiny_dataset(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path)
     start_digest = weights_digest(model)
-    trainer = ScaleTrainer(
+    trainer_class = ScaleTrainer if options.ascent_after is None else ascending_after(options.ascent_after)
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=dataset,
         eval_dataset=dataset.select(range(32)),
         data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX),
         processing_class=tokenizer,
+        callbacks=[KillAfterCheckpoint(options.kill_after_checkpoint, options.kill_rank)]
+        if options.kill_after_checkpoint
+        else None,
     )
-    if evaluate_first:
+    if options.evaluate_first:
         trainer.evaluate()
     trainer.train()
+    final_eval_loss = None
+    if options.save_final:
+        final_eval_loss = trainer.evaluate()["eval_loss"]
+        trainer.save_model(str(Path(args.output_dir) / "final"))
     report = {
         "rank": args.process_index,
         "world_size": args.world_size,
@@ -80,9 +116,59 @@ def main() -> None:
         "end_digest": weights_digest(trainer.model),
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "deepspeed": bool(args.deepspeed),
+        "q_proj_shape": list(trainer.model.model.layers[0].self_attn.q_proj.weight.shape),
+        "o_proj_shape": list(trainer.model.model.layers[0].self_attn.o_proj.weight.shape),
+        "final_eval_loss": final_eval_loss,
+        "effective_batch_size": args.effective_batch_size,
+        "eval_losses": [[e["step"], e["eval_loss"]] for e in trainer.state.log_history if "eval_loss" in e],
+        "best_metric": trainer.state.best_metric,
+        "global_step": trainer.state.global_step,
     }
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.output_dir) / f"rank{args.process_index}.json").write_text(json.dumps(report))
+    save_file(held_weights(trainer.model), str(Path(args.output_dir) / f"rank{args.process_index}.safetensors"))
+
+
+def ascending_after(step: int) -> type[ScaleTrainer]:
+    """A ScaleTrainer whose learning rate turns negative at `step`: gradient ascent, so the eval loss rises."""
+
+    class AscendingTrainer(ScaleTrainer):
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                factor = lambda current: 1.0 if current < step else -1.0  # noqa: E731
+                self.lr_scheduler = LambdaLR(optimizer or self.optimizer, factor)
+            return self.lr_scheduler
+
+    return AscendingTrainer
+
+
+def eval_loss_of_folder(folder, tokenizer) -> float:
+    """The eval loss of a saved model folder, computed as the Trainer does: 4 batches of 8, averaged."""
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)
+    examples = tiny_dataset(tokenizer).select(range(32))
+    losses = []
+    with torch.no_grad():
+        for start in range(0, 32, 8):
+            losses.append(model(**collator([examples[i] for i in range(start, start + 8)])).loss.item())
+    return sum(losses) / len(losses)
+
+
+def tiny_dataset(tokenizer) -> Dataset:
+    """256 generated training records; the first 32 are also the eval set."""
+    train_records, _ = generate_tasks()
+    return tokenize_records(train_records[:256], tokenizer, ALPACA, max_length=128)[0]
+
+
+def held_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights; under ZeRO-3 gathered from every rank's shard first (a collective: all ranks call)."""
+    gather = contextlib.nullcontext()
+    if is_deepspeed_zero3_enabled():
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with gather:
+        return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
 
 
 if __name__ == "__main__":

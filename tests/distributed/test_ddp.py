@@ -24,7 +24,7 @@ def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir, evaluate
     assert rank0["wrapper"] == rank1["wrapper"] == "DistributedDataParallel"
     assert rank0["end_digest"] == rank1["end_digest"]  # identical replicas after training
     assert rank0["end_digest"] != rank0["start_digest"]  # and they did train
-    assert "effective batch 16 = 8 per device x 2 process(es) x 1 accumulation step(s)" in result.stdout
+    assert "effective batch 16 = 8 per device x 2 data-parallel process(es) x 1 accumulation step(s)" in result.stdout
 
 
 @pytest.mark.parametrize(

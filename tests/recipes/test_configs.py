@@ -1,5 +1,6 @@
 """Every shipped config is valid, and a bad config stops the recipe before any work with one clear message."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from hf_scale.modeling import ModelArguments
 from hf_scale.presets import list_presets
 from tests.helpers import REPO_ROOT, run_command
 
-CONFIGS = sorted((REPO_ROOT / "recipes" / "configs").glob("*.yaml"))
+# the fine-tuning recipe's configs; search_*.yaml belong to recipes/search_llama2.py (tests/hpo/test_recipe.py)
+CONFIGS = sorted(p for p in (REPO_ROOT / "recipes" / "configs").glob("*.yaml") if not p.name.startswith("search_"))
 ACCELERATE_CONFIGS = sorted((REPO_ROOT / "recipes" / "accelerate").glob("*.yaml"))
 RECIPE = "recipes/finetune_llama2.py"
 
@@ -29,7 +31,47 @@ def test_shipped_configs_are_valid(config):
         assert values["model_name_or_path"].startswith("meta-llama/Llama-2-")
         assert values["dataset"] == "silk-road/alpaca-data-gpt4-chinese"
         assert values["bf16"] is True and values["lr_scheduler_type"] == "cosine" and values["warmup_steps"] > 0
-        assert "Expected memory per GPU" in config.read_text()
+        assert "# Planner: hf-scale plan" in config.read_text()
+
+
+LLAMA2_CONFIGS = [path for path in CONFIGS if path.name.startswith("llama2_")]
+
+
+@pytest.mark.parametrize("config", LLAMA2_CONFIGS, ids=lambda p: p.name)
+def test_planner_agrees_with_each_config(config):
+    """The header's `hf-scale plan` line sizes this config's workload, picks its strategy, and says its figures."""
+    from hf_scale.cli import build_parser, render_plan
+    from hf_scale.hardware import get_gpu
+    from hf_scale.memory import Workload, plan
+    from hf_scale.model_shapes import model_shape
+
+    text = config.read_text()
+    values = load_yaml_config(config)
+    command = re.search(r"^# Planner: hf-scale (plan .*)$", text, re.MULTILINE).group(1)
+    options = build_parser().parse_args(command.split())
+    assert options.model == values["model_name_or_path"]
+    assert options.seq_len == values["max_length"]
+    assert options.micro_batch == values["per_device_train_batch_size"]
+    assert options.grad_ckpt == bool(values.get("gradient_checkpointing"))
+    workload = Workload(
+        gpu=get_gpu(options.gpu),
+        gpus_per_node=options.gpus,
+        nodes=options.nodes,
+        seq_len=options.seq_len,
+        micro_batch=options.micro_batch,
+        gradient_checkpointing=options.grad_ckpt,
+        lora_r=options.lora_r,
+    )
+    result = plan(model_shape(options.model), workload)
+    if values.get("lora_r"):
+        chosen = "lora"
+        assert options.lora_r == values["lora_r"] and result.estimates["lora"].fits
+    else:
+        chosen = values["zero_preset"]
+        assert result.recommendation == chosen, render_plan(result)
+    total = result.estimates[chosen].total / 2**30
+    stated = re.search(rf"^#   (?:recommends|with) {chosen}: ([0-9.]+) GiB per GPU", text, re.MULTILINE).group(1)
+    assert stated == f"{total:.1f}"
 
 
 @pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=lambda p: p.name)

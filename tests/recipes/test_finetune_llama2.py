@@ -30,6 +30,7 @@ def test_recipe_learns_the_held_out_task_and_saves_a_loadable_model(tmp_path, hf
     assert metrics["eval_after_loss"] < metrics["eval_before_loss"] / 4
     assert "held-out exact match: 0.0" in result.stdout
     assert (output_dir / "loss_curve.png").stat().st_size > 10_000
+    assert (output_dir / "learning_rate.png").stat().st_size > 5_000
 
     # The saved folder is a normal HF model folder: reload it and score unseen records again.
     model = AutoModelForCausalLM.from_pretrained(output_dir)
@@ -78,7 +79,7 @@ def test_recipe_under_torchrun_is_real_ddp(tmp_path, hf_scale_cache):
     assert metrics["world_size"] == 2
     assert metrics["effective_batch_size"] == 64  # 32 per device x 2 processes
     assert metrics["eval_after_loss"] < metrics["eval_before_loss"]
-    assert "effective batch 64 = 32 per device x 2 process(es) x 1 accumulation step(s)" in result.stdout
+    assert "effective batch 64 = 32 per device x 2 data-parallel process(es) x 1 accumulation step(s)" in result.stdout
 
 
 def test_recipe_under_the_deepspeed_launcher_with_zero2(tmp_path, hf_scale_cache):

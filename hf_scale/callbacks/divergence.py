@@ -1,0 +1,47 @@
+"""The divergence guard: a NaN or Inf loss, or a spike far above the running mean, is caught at its step.
+
+The stock Trainer's `logging_nan_inf_filter` hides a NaN loss from the logs and trains on; the weights turn to
+NaN and the run burns hours. `ScaleTrainer.compute_loss` hands every training micro-batch's loss to
+`DivergenceGuard.check` after it is averaged over the processes, so every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hf_scale.errors import HfScaleError
+
+WARMUP_MICRO_BATCHES = 10  # the running mean needs some history before a spike can be told from the start
+EMA_DECAY = 0.9
+
+
+class TrainingDiverged(HfScaleError, RuntimeError):
+    """The loss became NaN/Inf or spiked; the message names the step and the learning rate."""
+
+
+@dataclass
+class DivergenceGuard:
+    """Judges each loss against finiteness and `spike_factor` x its running mean (None: no spike check)."""
+
+    spike_factor: float | None = None
+    running_mean: float | None = None
+    seen: int = 0
+    skipped: int = 0
+
+    def problem(self, loss: float) -> str | None:
+        """Why `loss` is bad, or None; a good loss updates the running mean."""
+        if not math.isfinite(loss):
+            return f"the loss is {loss}"
+        if (
+            self.spike_factor is not None
+            and self.running_mean is not None
+            and self.seen >= WARMUP_MICRO_BATCHES
+            and loss > self.spike_factor * self.running_mean
+        ):
+            return f"the loss {loss:.4g} is over {self.spike_factor:g}x its running mean {self.running_mean:.4g}"
+        self.seen += 1
+        self.running_mean = (
+            loss if self.running_mean is None else EMA_DECAY * self.running_mean + (1 - EMA_DECAY) * loss
+        )
+        return None

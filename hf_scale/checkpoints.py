@@ -1,0 +1,56 @@
+"""Checkpoints are whole or ignored: a save killed half-way never becomes the checkpoint a resume picks.
+
+The Trainer writes `checkpoint-N/` file by file, and `get_last_checkpoint` picks the highest N whatever is in
+it, so a job killed while saving resumes from a torn checkpoint and fails (or, worse, loads half-written
+state). ScaleTrainer writes a marker file into the folder once every process has finished writing and the
+files are on disk; a resume takes the newest folder with the marker and removes newer ones without it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+COMPLETE_MARKER = "hf_scale_checkpoint_complete"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def mark_complete(folder: str | os.PathLike) -> None:
+    """Flush the checkpoint's files to disk, then write the marker atomically (temporary file and rename)."""
+    os.sync()  # the files the processes wrote reach the disk before the marker says they are there
+    marker = Path(folder) / COMPLETE_MARKER
+    temporary = marker.with_suffix(".tmp")
+    temporary.write_text("complete\n")
+    os.replace(temporary, marker)
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / COMPLETE_MARKER).is_file()
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The `checkpoint-N` folders of `output_dir`, oldest (lowest N) first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [
+        (int(m.group(1)), p) for p in Path(output_dir).iterdir() if (m := _CHECKPOINT.match(p.name)) and p.is_dir()
+    ]
+    return [path for _, path in sorted(found)]
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint whose save finished, or None."""
+    complete = [path for path in checkpoints(output_dir) if is_complete(path)]
+    return complete[-1] if complete else None
+
+
+def remove_incomplete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete the checkpoints newer than the last complete one that have no marker (interrupted saves)."""
+    last = last_complete_checkpoint(output_dir)
+    torn = [p for p in checkpoints(output_dir) if not is_complete(p) and (last is None or p.name != last.name)]
+    torn = [p for p in torn if last is None or int(p.name.split("-")[1]) > int(last.name.split("-")[1])]
+    for path in torn:
+        shutil.rmtree(path, ignore_errors=True)
+    return torn

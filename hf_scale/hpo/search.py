@@ -1,0 +1,476 @@
+"""The search: rank 0 runs the Optuna study, every rank runs each trial, and all end together.
+
+Rank 0 asks the study for a trial, samples every value (`hp_space`) and sends the plan; every rank runs it
+(`trial.run_trial`); every rank's outcome is gathered, so a trial that raised anywhere is recorded FAIL and the
+search goes on with all ranks in step. When the budget, the clock or a failure limit says so, rank 0 sends "stop".
+At the end the best trial's model is reloaded (or retrained) into the trainer on every rank and saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, BestRun
+
+from hf_scale.errors import ConfigError, HfScaleError
+from hf_scale.hpo import sync
+from hf_scale.hpo.callback import Decision
+from hf_scale.hpo.lora import AdapterFactory, is_peft_model
+from hf_scale.hpo.objective import metric_objective, objective_metric, resolve_direction
+from hf_scale.hpo.pruning import make_pruner
+from hf_scale.hpo.release import frozen_gc
+from hf_scale.hpo.settings import SEARCH_FIELDS, SearchArguments
+from hf_scale.hpo.space import default_hp_space
+from hf_scale.hpo.storage import JournalHeartbeat, mask_url, open_storage, quiet_experimental, storage_spec
+from hf_scale.hpo.trial import (
+    ABORTED,
+    COMPLETE,
+    FAILED,
+    PER_TRIAL_FIELDS,
+    STOPPED,
+    TrialPlan,
+    build_model,
+    configure_trial,
+    qualifies_for_fast_path,
+    run_trial,
+    trial_folder,
+    zero3_enabled,
+)
+
+# Arguments of optuna.create_study and Study.optimize that the search takes, as HF's Optuna backend does.
+STUDY_KWARGS = {"sampler", "pruner", "storage", "load_if_exists"}
+OPTIMIZE_KWARGS = {"timeout", "n_jobs", "gc_after_trial", "catch", "callbacks", "show_progress_bar"}
+SKIP = "skip"  # rank 0's message when it could not even sample a trial
+
+
+class TrialFailed(RuntimeError):
+    """A trial raised on at least one rank; the study records it FAIL and the search goes on."""
+
+
+@dataclass
+class BestTrial:
+    """What every rank needs to know about the best trial to reload or retrain it."""
+
+    number: int
+    value: float
+    params: dict[str, Any]
+    suggested: dict[str, Any]
+    checkpoint: str | None
+    run_name: str
+
+
+def say(message: str) -> None:
+    if sync.rank() == 0:
+        print(f"hf_scale hpo: {message}", flush=True)
+
+
+def split_kwargs(kwargs: dict[str, Any]) -> tuple[SearchArguments, dict[str, Any], dict[str, Any]]:
+    """(hf_scale's settings, create_study arguments, optimize arguments); an unknown name is a ConfigError."""
+    settings, study, optimize = {}, {}, {}
+    for key, value in kwargs.items():
+        if key in ("storage", "pruner") and not isinstance(value, str | None):
+            study[key] = value  # an Optuna storage or pruner object, used as it is
+        elif key in SEARCH_FIELDS:
+            settings[key] = value
+        elif key in STUDY_KWARGS:
+            study[key] = value
+        elif key in OPTIMIZE_KWARGS:
+            optimize[key] = value
+        else:
+            known = sorted(SEARCH_FIELDS | STUDY_KWARGS | OPTIMIZE_KWARGS)
+            raise ConfigError(f"hyperparameter_search: unknown argument {key!r}; known: {', '.join(known)}")
+    if "timeout" in optimize:
+        settings["timeout"] = optimize.pop("timeout")
+    if optimize.pop("n_jobs", 1) != 1:
+        raise ConfigError(
+            "n_jobs: a distributed search runs one trial at a time per worker (all processes train it); "
+            "run more workers on one study instead"
+        )
+    return SearchArguments(**settings), study, optimize
+
+
+class Search:
+    """One hyperparameter search over a ScaleTrainer; `run()` is called on every rank."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        hp_space: Any,
+        compute_objective: Any,
+        n_trials: int,
+        direction: Any,
+        hp_name: Any,
+        kwargs: dict[str, Any],
+    ) -> None:
+        settings, self.study_kwargs, optimize = split_kwargs({"n_trials": n_trials, **kwargs})
+        if direction is None:
+            direction = settings.direction
+        self.settings = settings
+        self.trainer = trainer
+        args = trainer.args
+        if settings.n_trials < 1:
+            raise ConfigError(f"n_trials: must be at least 1, got {settings.n_trials}")
+        self.direction = resolve_direction(direction, compute_objective, args)
+        self.multi_objective = not isinstance(self.direction, str)
+        self.compute_objective = compute_objective or metric_objective(objective_metric(args))
+        self.objective_label = "compute_objective" if compute_objective else objective_metric(args)
+        self.catch = tuple(optimize.get("catch", ()))
+        self.callbacks = list(optimize.get("callbacks") or [])
+        self.gc_after_trial = bool(optimize.get("gc_after_trial", False))
+        self.hp_name = hp_name
+        self.output_dir = args.output_dir
+        self.base_run_name = args.run_name if args.run_name and args.run_name != args.output_dir else "hpo"
+        self.adapters: AdapterFactory | None = None
+        initial_model = trainer.model
+        if trainer.model_init is None and not qualifies_for_fast_path(initial_model, settings.lora_fast_path):
+            raise ConfigError(
+                "hyperparameter_search needs model_init (a fresh model for each trial), or a LoRA PeftModel "
+                "whose adapters it re-creates for each trial (lora_fast_path)"
+            )
+        if qualifies_for_fast_path(initial_model, settings.lora_fast_path):
+            self.adapters = AdapterFactory(initial_model)  # the model Trainer built (or was given) is the base
+        trainer.model = trainer.model_wrapped = None  # each trial builds its own; this one would only hold memory
+        # Processes that each see their own batch (tensor-parallel ranks share one).
+        data_parallel = getattr(args, "data_parallel_size", args.world_size)
+        self.hp_space = hp_space or default_hp_space(data_parallel, peft=is_peft_model(initial_model))
+        self.base_args = dict(vars(args))
+        self.study: optuna.Study | None = None
+        self.trial: optuna.Trial | None = None
+        self.study_best: float | None = None  # the study's best value when the running trial started
+        self.deadline = time.time() + settings.timeout if settings.timeout else None
+        self.stop_requested = False
+        self.peers_gone = False
+        self.journal_heartbeat: JournalHeartbeat | None = None
+        self.outcomes: list[dict[str, Any]] = []  # this worker's trials, for tests and the benchmark
+
+    # ---- rank 0: the study ----
+
+    def open_study(self) -> optuna.Study:
+        settings = self.settings
+        spec = storage_spec(settings.storage, self.output_dir)
+        storage = self.study_kwargs.get("storage")  # an Optuna storage object, used as it is
+        where = type(storage).__name__ if storage is not None else mask_url(spec)
+        if storage is None:
+            storage = open_storage(spec, settings.heartbeat_interval, settings.grace_period, settings.max_retry)
+        if isinstance(storage, optuna.storages.JournalStorage):
+            self.journal_heartbeat = JournalHeartbeat(
+                settings.heartbeat_interval, settings.grace_period, settings.max_retry
+            )
+        pruner = self.study_kwargs.get("pruner") or make_pruner(
+            settings.pruner, settings.startup_trials, settings.warmup_evaluations, self.multi_objective
+        )
+        if self.multi_objective and not isinstance(pruner, optuna.pruners.NopPruner):
+            say("a multi-objective search does not prune: the pruner is ignored")
+            pruner = optuna.pruners.NopPruner()
+        directions = {"directions": self.direction} if self.multi_objective else {"direction": self.direction}
+        try:
+            study = optuna.create_study(
+                storage=storage,
+                study_name=settings.study_name,
+                pruner=pruner,
+                load_if_exists=self.study_kwargs.get("load_if_exists", True),
+                **directions,
+            )
+        except ValueError as error:  # e.g. the stored study has other directions
+            raise ConfigError(f"storage {where}, study {settings.study_name!r}: {error}") from None
+        existing = len(study.trials)
+        sampler = self.study_kwargs.get("sampler")
+        if sampler is None:
+            seed = settings.sampler_seed
+            if seed is None:
+                # A resumed study must not replay its first trials' values.
+                seed = self.trainer.args.seed + existing
+                if settings.storage:  # a shared study: workers that start together must not sample alike
+                    seed += hash((socket.gethostname(), os.getpid())) % 100_000
+            sampler = optuna.samplers.TPESampler(seed=seed)
+        study.sampler = sampler
+        say(
+            f"study {settings.study_name!r} in {where} with {existing} trial(s) already; "
+            f"objective {self.objective_label} ({self.direction})"
+        )
+        return study
+
+    def stop_reason(self) -> str | None:
+        """Why no new trial should start, or None."""
+        study = self.study
+        if self.journal_heartbeat is not None:
+            self.journal_heartbeat.fail_stale(study)
+        else:
+            with quiet_experimental():
+                optuna.storages.fail_stale_trials(study)  # a dead worker's trial: FAIL and queued again
+        trials = study.get_trials(deepcopy=False)
+        counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING) for t in trials)
+        failures = sum(t.state == TrialState.FAIL for t in trials)
+        if self.stop_requested:
+            return "a callback stopped the study"
+        if counted >= self.settings.n_trials:
+            return f"the study holds {counted} trial(s), n_trials={self.settings.n_trials}"
+        if self.deadline is not None and time.time() >= self.deadline:
+            return f"timeout of {self.settings.timeout} s reached"
+        max_failures = self.settings.max_failures or self.settings.n_trials
+        if failures >= max_failures:
+            return f"{failures} failed trial(s), max_failures={max_failures}"
+        return None
+
+    def decide(self, value: float | None, evaluation: int) -> Decision:
+        """Rank 0, after each evaluation: report it, and say whether to prune or stop and whether it beats the study."""
+        stop = self.deadline is not None and time.time() >= self.deadline
+        prune = False
+        if value is not None and self.trial is not None:
+            self.trial.report(value, evaluation)
+            prune = self.trial.should_prune()
+        beats = (
+            value is None
+            or self.study_best is None
+            or (value < self.study_best if self.direction == "minimize" else value > self.study_best)
+        )
+        return Decision(prune=prune, stop=stop, beats_study=beats)
+
+    def objective(self, trial: optuna.Trial) -> Any:
+        """Rank 0's Optuna objective: sample, send the plan, run the trial with every rank, gather the outcomes."""
+        self.trial = trial
+        self.study_best = None
+        if not self.multi_objective:
+            with contextlib.suppress(ValueError):  # no complete trial yet
+                self.study_best = self.study.best_value
+        try:
+            params = dict(self.hp_space(trial))
+            run_name = self.hp_name(trial) if self.hp_name else f"{self.base_run_name}-trial-{trial.number}"
+        except Exception:
+            sync.broadcast(SKIP)
+            raise
+        plan = TrialPlan(trial.number, params, dict(trial.params), run_name)
+        trial.set_user_attr("hyperparameters", params)
+        trial.set_user_attr("run_name", run_name)
+        trial.set_user_attr("output_dir", str(Path(self.output_dir).resolve() / trial_folder(trial.number)))
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        say(f"trial {trial.number}: {json.dumps(params, default=str)}")
+        sync.broadcast(plan)
+        if self.journal_heartbeat is not None:
+            self.journal_heartbeat.start(self.study, trial._trial_id)
+        try:
+            outcome = run_trial(self.trainer, self, plan)
+            outcomes = sync.gather(outcome)
+        finally:
+            if self.journal_heartbeat is not None:
+                self.journal_heartbeat.stop()
+            self.trial = None
+        self.record(plan, outcomes)
+        for key in ("evaluations", "best_evaluation", "best_step", "checkpoint", "seconds", "model_seconds"):
+            trial.set_user_attr(key, getattr(outcome, key))
+        aborted = [o for o in outcomes if o.state == ABORTED]
+        if aborted:
+            self.peers_gone = True  # every rank raises this error now: nobody waits for another message
+            raise ConfigError(f"trial {trial.number} cannot run: {aborted[0].error}")
+        # The rank where it went wrong first: the others only say that some rank failed.
+        failed = sorted(
+            ((rank, o) for rank, o in enumerate(outcomes) if o.state == FAILED),
+            key=lambda item: item[1].error.startswith("TrialFailedElsewhere"),
+        )
+        if failed:
+            rank, failure = failed[0]
+            trial.set_user_attr("error", f"rank {rank}: {failure.error}"[:2000])
+            say(f"trial {trial.number} failed on rank {rank}: {failure.error.splitlines()[0]}")
+            raise TrialFailed(f"rank {rank}: {failure.error.splitlines()[0]}")
+        if outcome.state != COMPLETE:
+            trial.set_user_attr("stopped_by", "timeout" if outcome.state == STOPPED else "pruner")
+            say(
+                f"trial {trial.number} {'stopped by the timeout' if outcome.state == STOPPED else 'pruned'}"
+                f" after evaluation {outcome.evaluations}"
+            )
+            raise optuna.TrialPruned()
+        say(f"trial {trial.number} complete: best {outcome.value} at evaluation {outcome.best_evaluation}")
+        return outcome.value
+
+    def record(self, plan: TrialPlan, outcomes: list[Any]) -> None:
+        mine = outcomes[sync.rank()]
+        self.outcomes.append({"number": plan.number, "params": plan.params, **asdict(mine)})
+
+    def after_trial(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+        """Optuna callback: the user's callbacks, then keep only the best trials' checkpoints."""
+        for callback in self.callbacks:
+            callback(study, frozen)
+            self.stop_requested = self.stop_requested or getattr(study, "_stop_flag", False)
+        self.remove_checkpoints_except_best(study)
+
+    def remove_checkpoints_except_best(self, study: optuna.Study) -> None:
+        """Delete this worker's trial checkpoints except the best trials': the search keeps O(1) checkpoints."""
+        try:
+            best = study.best_trials if self.multi_objective else [study.best_trial]
+        except ValueError:  # no complete trial yet
+            best = []
+        keep = {Path(self.output_dir).resolve() / trial_folder(t.number) for t in best}
+        for folder in Path(self.output_dir).glob("trial-*"):
+            if folder.resolve() not in keep:
+                for checkpoint in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+                    shutil.rmtree(checkpoint, ignore_errors=True)
+
+    def lead(self) -> None:
+        """Rank 0: run trials until a stop reason, then tell the other ranks to stop."""
+        self.study = self.open_study()
+        catch = (TrialFailed, *self.catch)
+        try:
+            while (reason := self.stop_reason()) is None:
+                self.study.optimize(
+                    self.objective,
+                    n_trials=1,
+                    catch=catch,
+                    callbacks=[self.after_trial],
+                    gc_after_trial=self.gc_after_trial,
+                )
+            say(f"search ends: {reason}")
+        finally:
+            if not self.peers_gone:
+                sync.broadcast(None)
+
+    def follow(self) -> None:
+        """Any other rank: run the trials rank 0 sends until it says stop."""
+        while (plan := sync.broadcast(None)) is not None:
+            if plan == SKIP:
+                continue
+            outcome = run_trial(self.trainer, self, plan)
+            outcomes = sync.gather(outcome)
+            self.record(plan, outcomes)
+            aborted = [o for o in outcomes if o.state == ABORTED]
+            if aborted:
+                raise ConfigError(f"trial {plan.number} cannot run: {aborted[0].error}")
+
+    # ---- every rank ----
+
+    def take_back(self, model: Any) -> None:
+        """After a trial: keep the LoRA base for the next one when the fast path applies."""
+        if model is None:
+            return
+        if self.adapters is None and qualifies_for_fast_path(model, self.settings.lora_fast_path):
+            self.adapters = AdapterFactory(model)
+        elif self.adapters is not None:
+            self.adapters.release(model)
+
+    def best_trial(self) -> BestTrial | list[BestRun] | str:
+        """Rank 0: the best trial (or the best runs of a multi-objective search), or why there is none."""
+        study = self.study
+        if self.multi_objective:
+            return [
+                BestRun(str(t.number), t.values, t.user_attrs.get("hyperparameters", t.params))
+                for t in study.best_trials
+            ]
+        try:
+            best = study.best_trial
+        except ValueError:
+            states = [t.state.name for t in study.trials]
+            return f"no trial completed ({', '.join(f'{s}: {states.count(s)}' for s in sorted(set(states)))})"
+        return BestTrial(
+            number=best.number,
+            value=best.value,
+            params=best.user_attrs.get("hyperparameters", best.params),
+            suggested=dict(best.params),
+            checkpoint=best.user_attrs.get("checkpoint"),
+            run_name=best.user_attrs.get("run_name", f"{self.base_run_name}-trial-{best.number}"),
+        )
+
+    def run(self) -> BestRun | list[BestRun]:
+        with frozen_gc():
+            if sync.rank() == 0:
+                self.lead()
+            else:
+                self.follow()
+        best = sync.broadcast(self.best_trial() if sync.rank() == 0 else None)
+        if isinstance(best, str):
+            raise HfScaleError(f"hyperparameter_search: {best}")
+        if isinstance(best, list):
+            self.restore_arguments()
+            return best
+        self.finish(best)
+        if sync.rank() == 0 and self.settings.report:
+            from hf_scale.hpo.report import write_report
+
+            folder = write_report(self.study, Path(self.output_dir) / "hpo-report")
+            say(f"trials table and plots in {folder}")
+        return BestRun(str(best.number), best.value, best.params)
+
+    def restore_arguments(self) -> None:
+        """The arguments as the search found them (a multi-objective search has no one best trial to apply)."""
+        vars(self.trainer.args).update(self.base_args)
+
+    def finish(self, best: BestTrial) -> None:
+        """Every rank: the best trial's model in the trainer, reloaded from its checkpoint or retrained, and saved."""
+        trainer = self.trainer
+        plan = TrialPlan(best.number, best.params, best.suggested, best.run_name)
+        lora_updates = configure_trial(trainer, self, plan)
+        trainer.args.output_dir = self.base_args["output_dir"]
+        trainer.args.run_name = self.base_args["run_name"]
+        have_checkpoint = best.checkpoint is not None and os.path.isdir(best.checkpoint)
+        everyone_has_it = all(sync.gather(have_checkpoint))
+        retrain = self.settings.retrain_best or not everyone_has_it or zero3_enabled()
+        model = build_model(trainer, self, plan, lora_updates)
+        trainer.model = trainer.model_wrapped = model
+        if trainer.place_model_on_device:
+            trainer._move_model_to_device(model, trainer.args.device)
+        trainer._wrapping_checked = False
+        if retrain:
+            why = "retrain_best" if self.settings.retrain_best else "its checkpoint is not on every node or ZeRO-3"
+            say(f"best trial {best.number} ({best.value}): training it again ({why})")
+            trainer.args.output_dir = str(Path(self.output_dir) / "best-retrain")
+            model_init, trainer.model_init = trainer.model_init, None
+            try:
+                trainer.train()
+            finally:
+                trainer.model_init = model_init
+                trainer.args.output_dir = self.base_args["output_dir"]
+        else:
+            say(f"best trial {best.number} ({best.value}): reloading {best.checkpoint}")
+            trainer._load_from_checkpoint(best.checkpoint, model)
+        save_model(trainer, str(Path(self.output_dir) / "best-model"))
+        for name in PER_TRIAL_FIELDS:  # the best trial's values stay; the search's own settings go
+            setattr(trainer.args, name, self.base_args[name])
+        if trainer.is_world_process_zero():
+            (Path(self.output_dir) / "best-model" / "hpo_best_trial.json").write_text(
+                json.dumps({**asdict(best), "retrained": retrain}, indent=2, default=str) + "\n"
+            )
+
+
+def save_model(trainer: Any, path: str) -> None:
+    """`trainer.save_model`, also for a reloaded model that no DeepSpeed engine wraps yet.
+
+    Under ZeRO-1/2 every rank holds the whole model and the stock save_model would ask the missing engine to save."""
+    if not (trainer.is_deepspeed_enabled and trainer.deepspeed is None):
+        trainer.save_model(path)
+        return
+    trainer.is_deepspeed_enabled = False
+    try:
+        trainer.save_model(path)
+    finally:
+        trainer.is_deepspeed_enabled = True
+
+
+def hyperparameter_search(
+    trainer: Any,
+    hp_space: Any = None,
+    compute_objective: Any = None,
+    n_trials: int = 20,
+    direction: str | list[str] | None = None,
+    backend: str | None = None,
+    hp_name: Any = None,
+    **kwargs: Any,
+) -> BestRun | list[BestRun]:
+    """`Trainer.hyperparameter_search` with Optuna, for one or many processes; see `ScaleTrainer`."""
+    if backend is not None and str(getattr(backend, "value", backend)) != "optuna":
+        raise ConfigError(f"backend: hf_scale's search runs on Optuna only, got {backend!r}")
+    search = Search(trainer, hp_space, compute_objective, n_trials, direction, hp_name, kwargs)
+    trainer.hp_search_study = None
+    trainer.hp_search_outcomes = search.outcomes
+    try:
+        best = search.run()
+    finally:
+        trainer.hp_search_study = search.study
+    return best

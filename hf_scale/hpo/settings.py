@@ -1,0 +1,139 @@
+"""`SearchArguments`: hf_scale's settings of a search, beside HF's `hyperparameter_search` arguments.
+
+Each field can be given to `ScaleTrainer.hyperparameter_search(..., field=value)`, or as a YAML key or flag of
+`recipes/search_llama2.py`. `n_trials`, `timeout` and `direction` mean what they mean in HF and Optuna, except that
+`n_trials` counts the whole study: a resumed search, or several workers on one study, stop together at n_trials.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+# No `from __future__ import annotations`: HfArgumentParser reads these types at run time.
+
+
+@dataclass
+class SearchArguments:
+    """How a hyperparameter search runs, stores its study and ends."""
+
+    n_trials: int = field(
+        default=20,
+        metadata={
+            "help": "Trials the study should hold (complete or pruned; running ones on other workers count). "
+            "Failed trials do not count: they are retried or replaced."
+        },
+    )
+    timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds after which the search ends: the running trial stops at its next evaluation (recorded "
+            "as pruned, its values kept) and no new trial starts."
+        },
+    )
+    direction: str | None = field(
+        default=None,
+        metadata={"help": "minimize or maximize; default: what the objective metric needs (minimize for a loss)."},
+    )
+    storage: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where the study lives: an Optuna RDB URL (sqlite:///PATH, postgresql://USER:PASSWORD@HOST/DB) "
+            "or journal:PATH (a journal file on a shared filesystem). Default: optuna_study.db in output_dir, so "
+            "an interrupted search resumes where it stopped."
+        },
+    )
+    study_name: str = field(default="hf_scale", metadata={"help": "The study's name in the storage."})
+    pruner: str = field(
+        default="median",
+        metadata={"help": "median (default), hyperband or none. Multi-objective searches never prune."},
+    )
+    startup_trials: int = field(
+        default=4, metadata={"help": "median pruner: trials that finish before any trial is pruned."}
+    )
+    warmup_evaluations: int = field(
+        default=1, metadata={"help": "median pruner: evaluations of each trial that are never pruned."}
+    )
+    heartbeat_interval: int = field(
+        default=60,
+        metadata={
+            "help": "Seconds between a running trial's heartbeats in the storage; a trial whose heartbeat stops "
+            "(its worker died) is marked failed and queued again after grace_period."
+        },
+    )
+    grace_period: int | None = field(
+        default=None, metadata={"help": "Seconds without a heartbeat before a trial counts as dead; default 2x."}
+    )
+    max_retry: int = field(default=2, metadata={"help": "How often a dead worker's trial is run again."})
+    max_failures: int | None = field(
+        default=None,
+        metadata={"help": "End the search after this many failed trials (default: n_trials), e.g. a broken setup."},
+    )
+    retrain_best: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the best trial's settings again at the end instead of reloading its best checkpoint "
+            "(always done when the checkpoint is on another node or the model is partitioned by ZeRO-3)."
+        },
+    )
+    lora_fast_path: bool = field(
+        default=True,
+        metadata={"help": "For a LoRA model: load the base weights once, re-create only the adapters per trial."},
+    )
+    report: bool = field(
+        default=True,
+        metadata={"help": "Write the trials table and plots to output_dir/hpo-report at the end."},
+    )
+    sampler_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of the default TPE sampler; default: the training seed plus the number of trials "
+            "already in the study, so a resumed search does not repeat the first trials' values."
+        },
+    )
+
+
+SEARCH_FIELDS = {f.name for f in fields(SearchArguments)}
+
+
+@dataclass
+class SpaceArguments:
+    """The default search space's ranges, as YAML keys and flags of the search recipe."""
+
+    search_space: str = field(
+        default="fine_tuning",
+        metadata={
+            "help": "fine_tuning: learning rate 1e-5 to 1e-4, log (centred on 2e-5 to 5e-5); pre_training: "
+            "1e-5 to 5e-4 (also right for LoRA). The keys below override the range."
+        },
+    )
+    lr_min: float | None = field(default=None, metadata={"help": "Lowest learning rate (log-uniform)."})
+    lr_max: float | None = field(default=None, metadata={"help": "Highest learning rate (log-uniform)."})
+    per_device_batches: str = field(
+        default="2,4,8", metadata={"help": "Per-device batch sizes to try, comma-separated."}
+    )
+    effective_batch_min: int = field(default=32, metadata={"help": "Smallest effective batch (all processes)."})
+    effective_batch_max: int = field(default=128, metadata={"help": "Largest effective batch (all processes)."})
+    warmup_ratio_max: float = field(default=0.1, metadata={"help": "Warm-up ratios tried: 0 to this."})
+
+    def settings(self):
+        """The `SpaceSettings` these arguments describe."""
+        from hf_scale.errors import ConfigError
+        from hf_scale.hpo.space import FINE_TUNING, PRE_TRAINING
+
+        spaces = {"fine_tuning": FINE_TUNING, "pre_training": PRE_TRAINING}
+        if self.search_space not in spaces:
+            raise ConfigError(f"search_space: unknown space {self.search_space!r}; choose {', '.join(spaces)}")
+        base = spaces[self.search_space]
+        low, high = self.lr_min or base.learning_rate[0], self.lr_max or base.learning_rate[1]
+        if not 0 < low < high:
+            raise ConfigError(f"lr_min / lr_max: need 0 < lr_min < lr_max, got {low} and {high}")
+        try:
+            batches = tuple(int(value) for value in self.per_device_batches.split(","))
+        except ValueError:
+            raise ConfigError(f"per_device_batches: not a list of integers: {self.per_device_batches!r}") from None
+        return dataclasses.replace(
+            base,
+            learning_rate=(low, high),
+            per_device_batches=batches,
+            effective_batch=(self.effective_batch_min, self.effective_batch_max),
+            warmup_ratio=(0.0, self.warmup_ratio_max),
+        )

@@ -1,0 +1,139 @@
+"""Where the study lives: a SQLite file in the output folder by default, any Optuna RDB URL, or a journal file.
+
+The default file makes an interrupted search resumable: started again with the same output_dir, it loads the study
+and goes on. An RDB URL (PostgreSQL, MySQL) lets workers on several nodes share one study, each worker one launch on
+its node. A journal file (`journal:PATH`) needs only a shared filesystem. A URL may carry a password: it is shown
+only through `mask_url`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import TrialState
+
+from hf_scale.errors import ConfigError
+
+DEFAULT_STUDY_FILE = "optuna_study.db"
+JOURNAL_PREFIX = "journal:"
+HEARTBEAT_KEY = "hf_scale:heartbeat"
+
+
+@contextlib.contextmanager
+def quiet_experimental() -> Iterator[None]:
+    """Silence Optuna's "experimental feature" warnings: heartbeats and retries are what the search relies on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
+def mask_url(text: str) -> str:
+    """`text` with the password of every URL in it replaced by ***, e.g. postgresql://user:***@host/db."""
+    return re.sub(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]*@", r"\1***@", str(text))
+
+
+def storage_spec(storage: str | None, output_dir: str) -> str:
+    """The storage as a string: `storage`, or the default SQLite file in `output_dir`."""
+    if storage:
+        return storage
+    path = Path(output_dir).resolve() / DEFAULT_STUDY_FILE
+    return f"sqlite:///{path}"
+
+
+def open_storage(
+    spec: str, heartbeat_interval: int = 60, grace_period: int | None = None, max_retry: int | None = 2
+) -> optuna.storages.BaseStorage:
+    """The Optuna storage for `spec`: an RDB URL (sqlite:///, postgresql://, mysql://) or `journal:PATH`.
+
+    With an RDB, each running trial writes a heartbeat every `heartbeat_interval` seconds; a trial whose heartbeat
+    is older than `grace_period` (default: twice the interval) belongs to a worker that died: it is marked FAIL and
+    queued again with the same parameters, at most `max_retry` times. The journal storage gets the same through
+    `JournalHeartbeat`, since Optuna gives it none."""
+    if heartbeat_interval < 1:
+        raise ConfigError(f"heartbeat_interval: must be at least 1 second, got {heartbeat_interval}")
+    grace = grace_period or 2 * heartbeat_interval
+    if spec.startswith(JOURNAL_PREFIX):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        path = Path(spec.removeprefix(JOURNAL_PREFIX))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path)))
+    if "://" not in spec:
+        raise ConfigError(
+            f"storage: {mask_url(spec)!r} is neither a database URL (sqlite:///PATH, postgresql://...) nor journal:PATH"
+        )
+    engine_kwargs: dict[str, Any] = {}
+    if spec.startswith("postgresql://") and not find_spec("psycopg") and find_spec("psycopg2"):
+        spec = "postgresql+psycopg2://" + spec.removeprefix("postgresql://")  # SQLAlchemy 2.1 defaults to psycopg 3
+    if spec.startswith("sqlite"):
+        Path(spec.split(":///", 1)[-1]).parent.mkdir(parents=True, exist_ok=True)
+        # Several workers (or the heartbeat thread) may write at once: wait for the lock instead of failing.
+        engine_kwargs["connect_args"] = {"timeout": 60}
+    else:
+        engine_kwargs["pool_pre_ping"] = True  # a connection dropped during a long trial is replaced, not fatal
+    try:
+        with quiet_experimental():
+            return RDBStorage(
+                spec,
+                engine_kwargs=engine_kwargs,
+                heartbeat_interval=heartbeat_interval,
+                grace_period=grace,
+                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
+            )
+    except Exception as error:  # the driver's message, never the URL with its password
+        raise ConfigError(f"storage {mask_url(spec)}: cannot open it: {mask_url(str(error))}") from None
+
+
+class JournalHeartbeat:
+    """A heartbeat for the journal storage, kept as a trial system attribute (Optuna's covers RDB storages only)."""
+
+    def __init__(self, interval: int, grace_period: int | None, max_retry: int | None) -> None:
+        self.interval = interval
+        self.grace = grace_period or 2 * interval
+        with quiet_experimental():
+            self.retry = RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def fail_stale(self, study: optuna.Study) -> list[int]:
+        """Mark FAIL (and queue again) every running trial whose heartbeat is older than the grace period."""
+        now = time.time()
+        failed = []
+        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            beat = trial.system_attrs.get(HEARTBEAT_KEY, trial.datetime_start.timestamp())
+            if now - beat > self.grace:
+                try:
+                    if study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                        failed.append(trial.number)
+                        self.retry(study, study._storage.get_trial(trial._trial_id))
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    pass  # another worker failed it first
+        return failed
+
+    def start(self, study: optuna.Study, trial_id: int) -> None:
+        self._stop.clear()
+
+        def beat() -> None:
+            while True:
+                study._storage.set_trial_system_attr(trial_id, HEARTBEAT_KEY, time.time())
+                if self._stop.wait(self.interval):
+                    return
+
+        self._thread = threading.Thread(target=beat, name="hf_scale-journal-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,211 @@
+"""One trial, run the same way on every rank: its arguments, its model, its training, its outcome, its cleanup.
+
+Order matters: the trial's values are applied to the arguments first, then the DeepSpeed config and the Accelerator
+are rebuilt from them ("auto" values follow the trial's learning rate and batch), and only then is the model built,
+so that ZeRO-3 partitions it under the trial's config (the stock backend calls `model_init` before applying them).
+A trial that raises is caught here on every rank and reported as an outcome; only KeyboardInterrupt goes through.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, set_seed
+
+from hf_scale.arguments import accumulation_for_global_batch
+from hf_scale.errors import HfScaleError
+from hf_scale.hpo import sync
+from hf_scale.hpo.callback import TrialCallback
+from hf_scale.hpo.lora import fast_path_applies, with_adapters
+from hf_scale.hpo.release import release_trial
+from hf_scale.hpo.space import split_hyperparameters
+from hf_scale.presets.consistency import check_against_arguments
+
+COMPLETE, PRUNED, STOPPED, FAILED, ABORTED = "complete", "pruned", "stopped", "failed", "aborted"
+
+
+@dataclass
+class TrialPlan:
+    """What rank 0 sends every rank before a trial."""
+
+    number: int
+    params: dict[str, Any]  # what the trial applies (hp_space's dict)
+    suggested: dict[str, Any]  # what Optuna sampled (trial.params), for model_init(trial) on every rank
+    run_name: str
+
+
+@dataclass
+class Outcome:
+    """How a trial ended on one rank."""
+
+    state: str
+    value: Any = None
+    evaluations: int = 0
+    best_evaluation: int = 0
+    best_step: int = 0
+    checkpoint: str | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    model_seconds: float = 0.0  # building the model (model_init, or only the adapters on the LoRA fast path)
+    rss_bytes: int | None = None  # this process's resident memory once the trial's state is released
+
+
+class TrialFailedElsewhere(RuntimeError):
+    """Another rank failed to set the trial up; this rank skips it too."""
+
+
+def trial_folder(number: int) -> str:
+    return f"trial-{number:04d}"
+
+
+# What configure_trial sets for every trial whatever the user asked: put back once the search is over.
+PER_TRIAL_FIELDS = ("output_dir", "run_name", "save_only_model", "load_best_model_at_end", "save_total_limit",
+                    "save_strategy", "save_steps")  # fmt: skip
+
+
+def configure_trial(trainer: Any, search: Any, plan: TrialPlan) -> dict[str, Any]:
+    """Apply the trial's values to `trainer.args`, rebuild DeepSpeed and the Accelerator; return the LoRA values."""
+    args = trainer.args
+    vars(args).update(search.base_args)  # back to the search's starting point: no value leaks from the last trial
+    arg_updates, lora_updates = split_hyperparameters(plan.params, args)
+    for key, value in arg_updates.items():
+        setattr(args, key, value)
+    if args.global_batch_size is not None and "gradient_accumulation_steps" not in arg_updates:
+        args.gradient_accumulation_steps = accumulation_for_global_batch(
+            args.global_batch_size,
+            args.per_device_train_batch_size,
+            getattr(args, "data_parallel_size", args.world_size),
+        )
+    args.output_dir = str(Path(search.output_dir) / trial_folder(plan.number))
+    args.run_name = plan.run_name
+    # A trial is never resumed (a killed one is run again from the start), so its checkpoints need only the model;
+    # the best one is found by the search's own objective, not by load_best_model_at_end.
+    args.save_only_model = True
+    args.load_best_model_at_end = False
+    args.save_total_limit = None
+    if args.eval_strategy.value != "no":
+        args.save_strategy = SaveStrategy(args.eval_strategy.value)
+        args.save_steps = args.eval_steps
+    else:
+        args.save_strategy = SaveStrategy.NO
+    if args.deepspeed:
+        rebuild_deepspeed(trainer)
+    trainer._train_batch_size = args.train_batch_size
+    trainer.create_accelerator_and_postprocess()
+    return lora_updates
+
+
+def rebuild_deepspeed(trainer: Any) -> None:
+    """A DeepSpeed config whose "auto" values come from the trial's arguments (as the stock backend does)."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    args = trainer.args
+    check_against_arguments(args.deepspeed, args, args.world_size)
+    trainer.accelerator.free_memory()
+    args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
+    args.hf_deepspeed_config.trainer_config_process(args)
+    args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
+    AcceleratorState()._reset_state()  # accelerate keeps the old plugin in its shared state otherwise
+
+
+def build_model(trainer: Any, search: Any, plan: TrialPlan, lora_updates: dict[str, Any]) -> Any:
+    """The trial's fresh model: new adapters on the kept base (LoRA fast path), or `model_init`."""
+    args = trainer.args
+    set_seed(args.seed)  # the same initial weights for the same seed, as the stock backend
+    if search.adapters is not None and search.adapters.base is not None:
+        return search.adapters.build(lora_updates)
+    if trainer.model_init is None:
+        raise HfScaleError("hyperparameter_search: no model_init and no kept LoRA base to build a trial's model from")
+    model = trainer.call_model_init(optuna.trial.FixedTrial(plan.suggested, plan.number))
+    return with_adapters(model, lora_updates)
+
+
+def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
+    """Train one trial on this rank and say how it ended; the trial's state is released whatever happens."""
+    callback = TrialCallback(search.compute_objective, search.direction, search.decide)
+    started = time.perf_counter()
+    model_seconds = 0.0
+    state, error = COMPLETE, None
+    model_init = trainer.model_init
+    try:
+        try:
+            lora_updates = configure_trial(trainer, search, plan)
+            built = time.perf_counter()
+            trainer.model = trainer.model_wrapped = build_model(trainer, search, plan, lora_updates)
+            model_seconds = time.perf_counter() - built
+        finally:
+            # Every rank says whether it is ready before any trains: a rank whose setup failed must not leave the
+            # others waiting in the first collective of training (DDP's broadcast of the weights) forever.
+            ready = sync.gather(trainer.model is not None)
+        if not all(ready):
+            raise TrialFailedElsewhere(f"rank {ready.index(False)} could not set the trial up")
+        if trainer.place_model_on_device:
+            trainer._move_model_to_device(trainer.model, trainer.args.device)
+        trainer.optimizer = trainer.lr_scheduler = None
+        trainer._wrapping_checked = False  # ScaleTrainer checks the new wrapper at the trial's first step
+        trainer.add_callback(callback)
+        trainer.model_init = None  # train() would otherwise build the model a second time
+        trainer.train()
+        if callback.best.evaluations == 0:
+            trainer.evaluate()  # no evaluation during training: score the end of it
+        if callback.pruned:
+            state = PRUNED
+        elif callback.stopped:
+            state = STOPPED
+        elif callback.keep and not callback.saved_best and callback.best.step == trainer.state.global_step:
+            # The best evaluation came when no checkpoint is written (evaluated only at the end, or not at a save
+            # step): the model as it ended is that evaluation's model.
+            trainer.save_model(str(Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{callback.best.step}"))
+    except HfScaleError as exception:  # a wrong setting: the next trial would fail the same way
+        state, error = ABORTED, f"{type(exception).__name__}: {exception}"
+    except Exception as exception:
+        state = FAILED
+        error = f"{type(exception).__name__}: {exception}\n" + "".join(traceback.format_exc(limit=-4))
+    finally:
+        trainer.model_init = model_init
+        trainer.pop_callback(callback)
+        model = trainer.model
+        release_trial(trainer)
+        search.take_back(model)
+        del model
+        gc.collect()
+    return Outcome(
+        state=state,
+        value=callback.result(),
+        evaluations=callback.best.evaluations,
+        best_evaluation=callback.best.evaluation,
+        best_step=callback.best.step,
+        checkpoint=callback.best_checkpoint(trainer.args.output_dir) if state == COMPLETE else None,
+        error=error,
+        seconds=time.perf_counter() - started,
+        model_seconds=model_seconds,
+        rss_bytes=resident_memory(),
+    )
+
+
+def resident_memory() -> int | None:
+    """This process's resident memory in bytes (Linux), or None."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def zero3_enabled() -> bool:
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
+
+
+def qualifies_for_fast_path(model: Any, enabled: bool) -> bool:
+    return enabled and fast_path_applies(model, zero3_enabled())

@@ -1,0 +1,130 @@
+"""The output folder: writable before any work starts, and a failed checkpoint save that leaves no broken checkpoint.
+
+`check_output_dir` runs when the arguments are built: a run that could never save stops before it loads data.
+`checkpoint_save_guard` wraps one checkpoint save: when the disk is full or the folder turns read-only mid-run,
+it removes the half-written `checkpoint-N` (so that `--resume` does not pick it as the newest) and raises a
+`SaveError` naming the folder, the cause and the previous checkpoint, which is left as it was.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hf_scale.checkpoints import last_complete_checkpoint
+from hf_scale.errors import ConfigError, SaveError
+
+# A failed write is an OSError only from Python itself: torch.save raises RuntimeError ("PytorchStreamWriter failed
+# writing file", "[enforce fail at inline_container.cc]"), safetensors SafetensorError and tokenizers a bare
+# Exception, both ending in "(os error 28)".
+_TORCH_WRITER = re.compile(r"PytorchStreamWriter|inline_container|file write failed")
+
+
+def check_output_dir(output_dir: str | os.PathLike | None) -> None:
+    """`output_dir` must be a folder this process can write into, or one it can create; a `ConfigError` otherwise.
+
+    Writability is tried, not read from the permission bits: root passes every permission check, yet still
+    cannot write on a read-only file system. Nothing is left behind: the probe file has no name or is removed.
+    """
+    if not output_dir:
+        return
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir: {output_dir} exists and is not a folder")
+    existing = path
+    while not existing.exists():  # the folder is created later, by the trainer: its nearest ancestor must allow it
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir: cannot create {output_dir}: {existing} is a file, not a folder")
+    problem = _write_problem(existing)
+    if problem is None:
+        return
+    if existing == path:
+        raise ConfigError(f"output_dir: {output_dir} is not writable ({problem})")
+    raise ConfigError(f"output_dir: cannot create {output_dir}: {existing} is not writable ({problem})")
+
+
+def _write_problem(folder: Path) -> str | None:
+    """Why a file cannot be written in `folder`, or None when it can."""
+    try:
+        with tempfile.TemporaryFile(dir=folder) as probe:
+            probe.write(b"\0")
+            probe.flush()
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
+@contextmanager
+def checkpoint_save_guard(checkpoint_dir: str | os.PathLike) -> Iterator[None]:
+    """Turn a write that fails while saving into `checkpoint_dir` into a `SaveError`, removing what it half wrote.
+
+    Any other error passes through as it is, also without a half-written folder left behind for `--resume` to
+    pick. A folder that existed before the save is never removed (it was not this save's to remove).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    existed = checkpoint_dir.exists()
+    try:
+        yield
+    except Exception as error:
+        leftover = "" if existed else _remove_partial(checkpoint_dir)
+        if not is_write_error(error):
+            raise
+        raise SaveError(describe_failed_save(checkpoint_dir, error) + leftover) from error
+
+
+def is_write_error(error: BaseException) -> bool:
+    """Whether `error` says that a file could not be written (disk full, read-only, too large, no permission)."""
+    if isinstance(error, OSError):
+        return True
+    if re.search(r"\(os error \d+\)", str(error)):
+        return True
+    return isinstance(error, RuntimeError) and _TORCH_WRITER.search(str(error)) is not None
+
+
+def _remove_partial(checkpoint_dir: Path) -> str:
+    """Remove a half-written checkpoint folder; what the user must do when that fails too."""
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    if checkpoint_dir.exists():
+        return f"; the partial folder {checkpoint_dir} could not be removed: delete it before resuming"
+    return ""
+
+
+def describe_failed_save(checkpoint_dir: Path, error: BaseException) -> str:
+    """The user's message for a failed checkpoint save: the folder, the cause, and what is left to resume from."""
+    parent = checkpoint_dir.parent
+    previous = last_complete_checkpoint(parent)
+    if previous is not None and Path(previous) == checkpoint_dir:  # left by an earlier run, overwritten in part
+        kept = f"{checkpoint_dir} was there before this save and may be half overwritten now: check it before resuming"
+    elif previous is not None:
+        kept = f"the previous checkpoint {previous} is intact; free space or fix the folder, then rerun with --resume"
+    else:
+        kept = "there is no earlier checkpoint to resume from"
+    return f"could not save checkpoint {checkpoint_dir}: {_reason(error)}{_free_space(parent)}; {kept}"
+
+
+def _free_space(folder: Path) -> str:
+    """How much room is left where the checkpoint goes: the likely cause when torch only says "write failed"."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f" ({free / 2**20:.1f} MiB free on that disk)"
+
+
+def _reason(error: BaseException) -> str:
+    """The cause in words: "No space left on device" rather than "[Errno 28] ..." or a torch enforce message."""
+    if isinstance(error, OSError) and error.errno is not None:
+        code, target = error.errno, f" ({error.filename})" if error.filename else ""
+    else:  # safetensors and tokenizers end their message in "(os error 28)"
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
+            return f"{type(error).__name__}: {error}"
+        code, target = int(found.group(1)), ""
+    return f"{os.strerror(code)} [{errno.errorcode.get(code, code)}]{target}"

@@ -1,0 +1,68 @@
+"""`zero_preset="auto"`: the memory planner picks the fastest strategy that fits, before anything is loaded."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hf_scale.errors import ConfigError
+from hf_scale.hardware import GPU, get_gpu, gpu_from_device_name
+from hf_scale.memory import Plan, Workload, plan
+
+# The planner's strategies as presets; "ddp" means no DeepSpeed at all.
+PRESET_FOR_STRATEGY = {
+    "ddp": "ddp",
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "zero2_offload": "zero2_offload",
+    "zero3": "zero3",
+    "zero3_offload": "zero3_offload",
+}
+
+
+def planned_preset(args: Any, world_size: int) -> str:
+    """The preset for `args.plan_model` on this machine's GPUs, or a `ConfigError` with the planner's advice."""
+    from hf_scale.model_shapes import model_shape
+
+    if not args.plan_model:
+        raise ConfigError(
+            "zero_preset=auto: set plan_model to the model to size (hub id, folder or LLaMA-2 name); "
+            "the recipe sets it from model_name_or_path"
+        )
+    gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    result = plan(
+        model_shape(args.plan_model),
+        Workload(
+            gpu=_gpu(args.plan_gpu),
+            gpus_per_node=gpus_per_node,
+            nodes=max(1, world_size // gpus_per_node),
+            seq_len=args.plan_seq_len,
+            micro_batch=args.per_device_train_batch_size,
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+        ),
+    )
+    return preset_for(result)
+
+
+def preset_for(result: Plan) -> str:
+    """The preset that carries out the plan's recommendation ("ddp": no DeepSpeed)."""
+    if result.recommendation is None:
+        raise ConfigError(
+            f"zero_preset=auto: {result.shape.name} fits no strategy on {result.workload.gpus} "
+            f"{result.workload.gpu.name}: " + "; ".join(result.advice)
+        )
+    return PRESET_FOR_STRATEGY[result.recommendation]
+
+
+def _gpu(name: str | None) -> GPU:
+    if name:
+        return get_gpu(name)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("zero_preset=auto: no CUDA device to plan for; set plan_gpu (e.g. a100-80g) or a preset")
+    device_name = torch.cuda.get_device_name(0)
+    gpu = gpu_from_device_name(device_name)
+    if gpu is None:
+        raise ConfigError(f"zero_preset=auto: {device_name!r} is not in the planner's catalogue; set plan_gpu")
+    return gpu

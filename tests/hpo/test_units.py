@@ -1,0 +1,202 @@
+"""The search's parts on their own: space, applying values, objective and direction, pruners, storage, report."""
+
+import csv
+import json
+import time
+from types import SimpleNamespace
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hf_scale.cli import main as cli_main
+from hf_scale.errors import ConfigError
+from hf_scale.hpo.objective import BestValue, check_against_direction, metric_objective, resolve_direction
+from hf_scale.hpo.pruning import make_pruner
+from hf_scale.hpo.report import load_study, trials_table, write_report
+from hf_scale.hpo.search import split_kwargs
+from hf_scale.hpo.space import accumulation_steps, default_hp_space, effective_batch_choices, split_hyperparameters
+from hf_scale.hpo.storage import JournalHeartbeat, mask_url, open_storage
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def sample(space, trials=40, seed=0):
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    return [space(study.ask()) for _ in range(trials)]
+
+
+@pytest.mark.parametrize("world_size", [1, 4, 8])
+def test_default_space_keeps_the_effective_batch_in_range(world_size):
+    for params in sample(default_hp_space(world_size=world_size)):
+        assert 1e-5 <= params["learning_rate"] <= 1e-4
+        assert 0.01 <= params["weight_decay"] <= 0.3
+        assert params["per_device_train_batch_size"] in (2, 4, 8)
+        assert params["lr_scheduler_type"] in ("linear", "cosine")
+        assert 0 <= params["warmup_ratio"] <= 0.1
+        effective = params["per_device_train_batch_size"] * world_size * params["gradient_accumulation_steps"]
+        assert 32 <= effective <= 128
+        assert not {"lora_r", "lora_alpha", "lora_dropout"} & params.keys()
+
+
+def test_default_space_adds_lora_values_for_a_peft_model():
+    for params in sample(default_hp_space(peft=True), trials=10):
+        assert params["lora_r"] in (8, 16, 32, 64) and params["lora_alpha"] in (16, 32, 64)
+        assert 0 <= params["lora_dropout"] <= 0.1
+
+
+def test_batch_helpers():
+    assert effective_batch_choices(32, 128) == (32, 64, 128)
+    assert accumulation_steps(64, 4, 2) == 8
+    assert accumulation_steps(32, 8, 16) == 1  # more processes than the range allows: at least 1
+    with pytest.raises(ConfigError, match="no power of two"):
+        effective_batch_choices(33, 63)
+
+
+def test_values_are_split_into_arguments_and_lora():
+    args = SimpleNamespace(learning_rate=5e-5, warmup_steps=0, per_device_train_batch_size=8, lr_scheduler_type="x")
+    updates, lora = split_hyperparameters(
+        {"learning_rate": 1e-4, "warmup_ratio": 0.05, "per_device_train_batch_size": 4.0, "lora_r": 16}, args
+    )
+    assert updates == {"learning_rate": 1e-4, "warmup_steps": 0.05, "per_device_train_batch_size": 4}
+    assert type(updates["per_device_train_batch_size"]) is int and lora == {"lora_r": 16}
+    with pytest.raises(ConfigError, match="'learnig_rate' is neither a ScaleTrainingArguments field"):
+        split_hyperparameters({"learnig_rate": 1e-4}, args)
+    with pytest.raises(ConfigError, match="warmup_ratio must lie in"):
+        split_hyperparameters({"warmup_ratio": 1.5}, args)
+
+
+def arguments(metric=None, greater=None):
+    return SimpleNamespace(metric_for_best_model=metric, greater_is_better=greater)
+
+
+def test_direction_follows_the_objective_metric():
+    assert resolve_direction(None, None, arguments()) == "minimize"
+    assert resolve_direction(None, None, arguments("accuracy", True)) == "maximize"
+    assert resolve_direction("minimize", None, arguments("loss", False)) == "minimize"
+    with pytest.raises(ConfigError, match="direction='maximize' contradicts the objective eval_loss"):
+        resolve_direction("maximize", None, arguments())
+    with pytest.raises(ConfigError, match="contradicts the objective eval_exact_match, which is better when higher"):
+        resolve_direction("minimize", None, arguments("exact_match", True))
+    with pytest.raises(ConfigError, match="neither 'minimize' nor 'maximize'"):
+        resolve_direction("max", None, arguments())
+    # A custom objective: the caller's direction, minimize by default; several directions for several values.
+    assert resolve_direction(None, lambda m: 0.0, arguments()) == "minimize"
+    assert resolve_direction(["minimize", "maximize"], lambda m: [0, 1], arguments()) == ["minimize", "maximize"]
+
+
+def test_compute_objective_contradicting_the_direction_is_refused():
+    metrics = {"eval_loss": 1.25, "eval_accuracy": 0.5, "epoch": 1.0}
+    with pytest.raises(ConfigError, match=r"returns eval_loss \(better when lower\) but direction='maximize'"):
+        check_against_direction(1.25, metrics, "maximize")
+    with pytest.raises(ConfigError, match=r"returns eval_accuracy \(better when higher\)"):
+        check_against_direction(0.5, metrics, "minimize")
+    check_against_direction(1.25, metrics, "minimize")
+    check_against_direction(3.0, metrics, "maximize")  # not a known metric: the caller knows best
+    with pytest.raises(ConfigError, match="the evaluation has no 'eval_bleu'; it has epoch, eval_accuracy"):
+        metric_objective("eval_bleu")(metrics)
+
+
+def test_best_value_keeps_the_best_evaluation():
+    best = BestValue("minimize")
+    for step, value in enumerate([3.0, 2.0, float("nan"), 2.5], start=1):
+        best.update(value, step * 10)
+    assert (best.value, best.evaluation, best.step, best.evaluations) == (2.0, 2, 20, 4)
+    best = BestValue("maximize")
+    best.update(0.1, 1), best.update(0.3, 2), best.update(0.2, 3)
+    assert best.value == 0.3 and best.evaluation == 2
+
+
+def test_pruners():
+    median = make_pruner()
+    assert isinstance(median, optuna.pruners.MedianPruner)
+    assert median._n_startup_trials == 4 and median._n_warmup_steps == 2  # evaluation 1 is never pruned
+    assert isinstance(make_pruner("hyperband"), optuna.pruners.HyperbandPruner)
+    assert isinstance(make_pruner("median", multi_objective=True), optuna.pruners.NopPruner)
+    with pytest.raises(ConfigError, match="unknown pruner 'asha'"):
+        make_pruner("asha")
+
+
+def test_kwargs_are_split_and_checked():
+    settings, study, optimize = split_kwargs(
+        {"n_trials": 3, "timeout": 10, "pruner": "hyperband", "sampler": "S", "catch": (ValueError,)}
+    )
+    assert settings.n_trials == 3 and settings.timeout == 10 and settings.pruner == "hyperband"
+    assert study == {"sampler": "S"} and optimize == {"catch": (ValueError,)}
+    pruner = optuna.pruners.NopPruner()
+    settings, study, _ = split_kwargs({"pruner": pruner})
+    assert study == {"pruner": pruner} and settings.pruner == "median"
+    settings, _, _ = split_kwargs({"storage": "sqlite:///x.db", "study_name": "s"})
+    assert settings.storage == "sqlite:///x.db" and settings.study_name == "s"
+    with pytest.raises(ConfigError, match="unknown argument 'n_trial'"):
+        split_kwargs({"n_trial": 3})
+    with pytest.raises(ConfigError, match="n_jobs"):
+        split_kwargs({"n_jobs": 2})
+
+
+def test_passwords_are_masked():
+    url = "postgresql+psycopg2://hpo:s3cr3t-pw@127.0.0.1:5432/studies"
+    assert mask_url(url) == "postgresql+psycopg2://hpo:***@127.0.0.1:5432/studies"
+    assert "s3cr3t" not in mask_url(f"could not connect to {url} (timeout)")
+    assert mask_url("sqlite:////tmp/a.db") == "sqlite:////tmp/a.db"
+    with pytest.raises(ConfigError) as error:
+        open_storage("not-a-url-s3cr3t@host")
+    assert "neither a database URL" in str(error.value)
+
+
+def finished_study(storage=None, name="s"):
+    study = optuna.create_study(storage=storage, study_name=name, sampler=optuna.samplers.RandomSampler(seed=1))
+    for number in range(5):
+        trial = study.ask()
+        lr = trial.suggest_float("learning_rate", 1e-4, 1e-1, log=True)
+        trial.suggest_categorical("per_device_train_batch_size", [8, 16])
+        trial.set_user_attr("hyperparameters", dict(trial.params))
+        for step in (1, 2):
+            trial.report(1.0 / (lr * step * 100) + number, step)
+        if number == 3:
+            study.tell(trial, state=TrialState.PRUNED)
+        else:
+            study.tell(trial, 1.0 / (lr * 200) + number)
+    return study
+
+
+def test_report_writes_table_and_plots(tmp_path):
+    study = finished_study()
+    rows = trials_table(study)
+    assert [row["state"] for row in rows] == ["COMPLETE"] * 3 + ["PRUNED", "COMPLETE"]
+    assert rows[0]["evaluations"] == 2 and "param_learning_rate" in rows[0]
+    folder = write_report(study, tmp_path / "report")
+    table = list(csv.DictReader((folder / "trials.csv").open()))
+    assert [int(row["number"]) for row in table] == [0, 1, 2, 3, 4]
+    assert json.loads((folder / "trials.json").read_text())[3]["state"] == "PRUNED"
+    assert f"best: trial {study.best_trial.number}" in (folder / "summary.txt").read_text()
+    for plot in ("optimization_history", "intermediate_values", "param_importances"):
+        assert (folder / f"{plot}.png").stat().st_size > 5000
+
+
+def test_report_command_reads_a_study_file(tmp_path, capsys):
+    database = tmp_path / "optuna_study.db"
+    finished_study(storage=f"sqlite:///{database}", name="tiny")
+    assert cli_main(["report", str(database), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "study 'tiny': 5 trial(s): complete 4, pruned 1" in printed
+    assert (tmp_path / "out" / "optimization_history.png").is_file()
+    assert cli_main(["report", str(tmp_path / "missing.db")]) == 2
+    assert load_study(str(database)).study_name == "tiny"
+
+
+def test_journal_heartbeat_fails_and_requeues_a_dead_workers_trial(tmp_path):
+    storage = open_storage(f"journal:{tmp_path / 'study.journal'}")
+    study = optuna.create_study(storage=storage)
+    heartbeat = JournalHeartbeat(interval=1, grace_period=1, max_retry=1)
+    trial = study.ask()
+    trial.suggest_float("x", 0, 1)
+    heartbeat.start(study, trial._trial_id)
+    time.sleep(0.2)
+    heartbeat.stop()  # the worker "dies": no more heartbeats
+    assert heartbeat.fail_stale(study) == []  # still within the grace period
+    time.sleep(1.3)
+    assert heartbeat.fail_stale(study) == [0]
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert states == [TrialState.FAIL, TrialState.WAITING]
+    assert study.trials[1].params == study.trials[0].params

@@ -1,0 +1,50 @@
+"""Checkpoints are whole or ignored: 20 SIGKILLs during saves never leave one that resume picks and fails on."""
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_scale.checkpoints import (
+    COMPLETE_MARKER,
+    last_complete_checkpoint,
+    mark_complete,
+    remove_incomplete_checkpoints,
+)
+from tests.helpers import run_command
+
+KILLS = 20
+
+
+def test_only_marked_checkpoints_count(tmp_path):
+    for step in (3, 6, 9, 12):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    mark_complete(tmp_path / "checkpoint-3")
+    mark_complete(tmp_path / "checkpoint-9")
+    (tmp_path / "checkpoint-10-extra").mkdir()  # not a checkpoint name
+    assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-9"
+    removed = remove_incomplete_checkpoints(tmp_path)
+    assert removed == [tmp_path / "checkpoint-12"]  # newer than the last complete one: an interrupted save
+    assert (tmp_path / "checkpoint-6").is_dir()  # older ones are left to the rotation
+    assert (tmp_path / "checkpoint-9" / COMPLETE_MARKER).read_text() == "complete\n"
+    assert last_complete_checkpoint(tmp_path / "missing") is None
+
+
+@pytest.mark.slow
+def test_kills_during_checkpoint_saves_never_break_resume(tmp_path, tiny_model_dir):
+    result = run_command([sys.executable, "tests/checkpoint_fault_driver.py", str(tmp_path), str(KILLS), "1"], 900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    events = report["events"]
+    assert len(events) == KILLS and all(event["checkpoint"] for event in events), events  # each kill hit a save
+    torn = sum(not event["complete_when_killed"] for event in events)
+    assert torn >= 5, f"only {torn} of {KILLS} kills landed inside a save: the test would prove little"
+    assert "child failed" not in result.stderr  # no run failed to resume from what the kills left
+    assert report["resumed_exit"] == 0 and report["unbroken_exit"] == 0
+    resumed = load_file(tmp_path / "resumed.safetensors")
+    unbroken = load_file(tmp_path / "unbroken.safetensors")
+    assert resumed.keys() == unbroken.keys()
+    for name, tensor in unbroken.items():
+        assert torch.allclose(tensor, resumed[name], atol=1e-6, rtol=0), name
