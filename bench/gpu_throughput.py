@@ -47,12 +47,12 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from hf_scale.arguments import ScaleTrainingArguments
-from hf_scale.callbacks.throughput import batch_counts, known_gpu
+from hf_scale.callbacks.throughput import batch_counts
 from hf_scale.data.batching import make_collator
 from hf_scale.data.templates import get_template
 from hf_scale.data.tokenize import tokenize_records
 from hf_scale.flops import effective_seq_len, mfu, training_flops_per_token
-from hf_scale.hardware import CATALOGUE, GIB
+from hf_scale.hardware import CATALOGUE, GIB, gpu_from_device_name
 from hf_scale.memory import Workload, estimate
 from hf_scale.model_shapes import shape_from_config
 from hf_scale.tiny.build import build_tiny_tokenizer
@@ -288,7 +288,7 @@ def ratios_and_criteria(rows: dict[str, dict], device_name: str) -> tuple[dict, 
         "c_over_a": ratio("c_scale_packed", "a_trainer_padded"),
         "d_over_c": ratio("d_scale_packed_checkpointing", "c_scale_packed"),
     }
-    hopper = known_gpu(device_name) in (CATALOGUE["h100-80g"], CATALOGUE["h200-141g"])
+    hopper = gpu_from_device_name(device_name) in (CATALOGUE["h100-80g"], CATALOGUE["h200-141g"])
     mfu_c = rows.get("c_scale_packed", {}).get("mfu")
     errors = [rows.get(mode, {}).get("planner_error") for mode in ("a_trainer_padded", "c_scale_packed")]
     errors.append(rows.get("d_scale_packed_checkpointing", {}).get("planner_error"))
@@ -341,8 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    catalogue_gpu = known_gpu(device_name, memory) if device.type == "cuda" else None
+    catalogue_gpu = gpu_from_device_name(device_name) if device.type == "cuda" else None
     # The planner's total does not depend on the GPU (only whether it fits does): any entry serves on CPU.
     options.gpu = catalogue_gpu or CATALOGUE["h100-80g"]
     options.datasheet_flops = catalogue_gpu.bf16_tflops * 1e12 if catalogue_gpu else None

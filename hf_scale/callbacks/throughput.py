@@ -45,7 +45,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_scale.flops import effective_seq_len, mfu, training_flops_per_token
-from hf_scale.hardware import CATALOGUE, GIB, GPU
+from hf_scale.hardware import GIB, gpu_from_device_name
 
 TRAINING_LOG_KEY = "loss"  # present in the logs of training steps, absent from eval and final-summary logs
 TOKENS_PER_SECOND = "real_tokens_per_second"
@@ -83,26 +83,13 @@ class BatchCounts:
         self.totals = None
 
 
-def known_gpu(device_name: str, memory_bytes: int | None = None) -> GPU | None:
-    """The hardware catalogue entry for a CUDA device name ("NVIDIA H100 80GB HBM3"), or None when unknown.
-
-    A model sold with several memory sizes (A100 40 GB / 80 GB) is told apart by the device's memory. The
-    catalogue holds the SXM figures: an H100 PCIe (756 TFLOP/s) matches h100-80g, so its MFU reads low."""
-    compact = device_name.lower().replace(" ", "").replace("-", "")
-    matches = [gpu for name, gpu in CATALOGUE.items() if name.split("-")[0] in compact]
-    if not matches:
-        return None
-    if memory_bytes is None:
-        return matches[0]
-    return min(matches, key=lambda gpu: abs(gpu.memory_bytes - memory_bytes))
-
-
 def device_peak_flops() -> float | None:
     """Dense bf16 peak FLOP/s of this process's GPU from the catalogue; None on CPU or an unknown GPU."""
     if not torch.cuda.is_available():
         return None
     index = torch.cuda.current_device()
-    gpu = known_gpu(torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).total_memory)
+    # The catalogue holds SXM figures: an H100 PCIe (756 TFLOP/s) matches h100-80g, so its MFU reads low.
+    gpu = gpu_from_device_name(torch.cuda.get_device_name(index))
     return gpu.bf16_tflops * 1e12 if gpu else None
 
 

@@ -22,6 +22,8 @@ def test_cuda_device_names_map_to_the_catalogue(device_name, catalogue_name):
 
 def test_unknown_card_is_not_guessed():
     assert gpu_from_device_name("NVIDIA Tesla T4") is None
+    assert gpu_from_device_name("NVIDIA L40") is None  # not an L40S
+    assert gpu_from_device_name("Tesla V100-SXM2-32GB") is None
 
 
 def planned(tmp_path, **kwargs) -> ScaleTrainingArguments:
