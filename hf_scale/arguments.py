@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_scale.checkpoints import last_complete_checkpoint
-from hf_scale.distributed import has_accelerator, launched_world_size
+from hf_scale.distributed import check_elastic_restarts, has_accelerator, launched_world_size
 from hf_scale.errors import ConfigError
 from hf_scale.output_dir import check_output_dir
 from hf_scale.presets.consistency import check_against_arguments, load_deepspeed_config
@@ -115,6 +115,7 @@ class ScaleTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        check_elastic_restarts()  # before the process group starts: that is where a bad restart would hang
         world_size = launched_world_size()
         if not has_accelerator():
             self.dataloader_pin_memory = False  # nothing to pin for; torch warns on every loader otherwise

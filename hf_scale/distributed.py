@@ -31,6 +31,24 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available()
 
 
+def check_elastic_restarts() -> None:
+    """Refuse `torchrun --max_restarts N` where the restarted workers would hang instead of resuming.
+
+    When the workers share the launcher's rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True, the default),
+    a restarted attempt reads the dead attempt's addresses from it and waits in `init_process_group` until
+    the timeout (gloo here, measured; NCCL in pytorch/pytorch#135712). With its own store per attempt the
+    restart works: tests/distributed/test_kills_during_saves.py restarts a ZeRO-2 job 5 times this way.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise DistributedSetupError(
+            f"torchrun --max_restarts {restarts} with the workers sharing the launcher's store: a restarted "
+            "worker would hang in init_process_group on the failed attempt's addresses. Launch with "
+            "`--rdzv_backend c10d --rdzv_endpoint HOST:PORT` and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "
+            "environment, or without --max_restarts."
+        )
+
+
 def check_process_group(world_size: int, distributed_type: str) -> None:
     """Refuse a run whose processes would not train together.
 

@@ -47,14 +47,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(script: str, *args: str, processes: int = 2) -> list[str]:
-    """The command line that starts `script` on `processes` local processes on a free port."""
-    return [
-        python_bin("torchrun"),
-        "--nproc_per_node",
-        str(processes),
-        "--master_port",
-        str(free_port()),
-        script,
-        *args,
-    ]
+def torchrun(script: str, *args: str, processes: int = 2, max_restarts: int = 0) -> list[str]:
+    """The command line that starts `script` on `processes` local processes on a free port.
+
+    With `max_restarts`, torchrun restarts the whole group when a process dies; that needs the c10d rendezvous and,
+    in the environment, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see hf_scale.distributed.check_elastic_restarts).
+    """
+    if max_restarts:
+        endpoint = ["--max_restarts", str(max_restarts), "--rdzv_backend", "c10d", "--rdzv_endpoint"]
+        endpoint.append(f"127.0.0.1:{free_port()}")
+    else:
+        endpoint = ["--master_port", str(free_port())]
+    return [python_bin("torchrun"), "--nproc_per_node", str(processes), *endpoint, script, *args]
+
+
+def assert_same_weights(expected_file: Path, actual_file: Path, atol: float = 1e-6) -> None:
+    """Two safetensors files hold the same tensors, name by name, within `atol`."""
+    import torch
+    from safetensors.torch import load_file
+
+    expected, actual = load_file(expected_file), load_file(actual_file)
+    assert expected.keys() == actual.keys()
+    for name, tensor in expected.items():
+        assert torch.allclose(tensor, actual[name], atol=atol, rtol=0), name

@@ -53,7 +53,6 @@ def test_resume_needs_a_checkpoint(tmp_path):
         ScaleTrainingArguments(output_dir=str(tmp_path), resume=True)
 
 
-
 def test_tensor_parallel_needs_a_multiple_of_its_size_in_processes(tmp_path):
     with pytest.raises(ConfigError, match="autotp_size=2 needs a multiple of 2 processes, got 1"):
         ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="autotp")

@@ -4,8 +4,6 @@ import json
 import sys
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from hf_scale.checkpoints import (
     COMPLETE_MARKER,
@@ -13,7 +11,7 @@ from hf_scale.checkpoints import (
     mark_complete,
     remove_incomplete_checkpoints,
 )
-from tests.helpers import run_command
+from tests.helpers import assert_same_weights, run_command
 
 KILLS = 20
 
@@ -43,8 +41,4 @@ def test_kills_during_checkpoint_saves_never_break_resume(tmp_path, tiny_model_d
     assert torn >= 5, f"only {torn} of {KILLS} kills landed inside a save: the test would prove little"
     assert "child failed" not in result.stderr  # no run failed to resume from what the kills left
     assert report["resumed_exit"] == 0 and report["unbroken_exit"] == 0
-    resumed = load_file(tmp_path / "resumed.safetensors")
-    unbroken = load_file(tmp_path / "unbroken.safetensors")
-    assert resumed.keys() == unbroken.keys()
-    for name, tensor in unbroken.items():
-        assert torch.allclose(tensor, resumed[name], atol=1e-6, rtol=0), name
+    assert_same_weights(tmp_path / "unbroken.safetensors", tmp_path / "resumed.safetensors")

@@ -1,7 +1,7 @@
 import pytest
 from torch import nn
 
-from hf_scale.distributed import check_model_is_wrapped, check_process_group
+from hf_scale.distributed import check_elastic_restarts, check_model_is_wrapped, check_process_group
 from hf_scale.errors import DistributedSetupError
 
 
@@ -30,3 +30,15 @@ def test_plain_model_in_a_multi_process_run_is_refused():
     check_model_is_wrapped(model, world_size=1)
     with pytest.raises(DistributedSetupError, match="plain Linear, not wrapped"):
         check_model_is_wrapped(model, world_size=2)
+
+
+def test_restarts_that_would_hang_are_refused_before_the_process_group_starts(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun --master_port, or c10d's shared store
+    with pytest.raises(DistributedSetupError, match=r"--max_restarts 3 .*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        check_elastic_restarts()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # c10d with a store per attempt: restarts work
+    check_elastic_restarts()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restart, nothing to hang
+    check_elastic_restarts()

@@ -5,7 +5,9 @@ Extra flags are ScaleTrainingArguments flags, e.g. `--auto_cpu_ddp false`, plus 
 `--evaluate_first` (evaluate before training), `--kill_after_checkpoint N` (rank `--kill_rank`, 0 by default,
 kills itself with SIGKILL once checkpoint N is saved), `--save_final` (evaluate after training and `save_model`
 to <output_dir>/final), `--ascent_after N` (from step N on the learning rate is negated: the eval loss falls,
-then rises).
+then rises), `--kill_during_saves N` (under `torchrun --max_restarts`: in each of the first N attempts a random
+rank SIGKILLs itself at a random moment of a checkpoint save; every attempt after the first resumes from the
+newest complete checkpoint; what was on disk at each kill goes to kills.jsonl).
 Each rank also writes the weights it holds to rank<N>.safetensors.
 """
 
@@ -14,8 +16,11 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, HfArgumen
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.checkpoints import is_complete, last_complete_checkpoint
 from hf_scale.data.templates import ALPACA
 from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
 from hf_scale.errors import HfScaleError
@@ -60,7 +66,13 @@ def main() -> None:
     worker.add_argument("--kill_rank", type=int, default=0)
     worker.add_argument("--save_final", action="store_true")
     worker.add_argument("--ascent_after", type=int)
+    worker.add_argument("--kill_during_saves", type=int, default=0)
+    worker.add_argument("--output_dir", required=True)  # also passed on to the Trainer
     options, argv = worker.parse_known_args()
+    argv += ["--output_dir", options.output_dir]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if options.kill_during_saves and last_complete_checkpoint(options.output_dir) is not None:
+        argv += ["--resume", "true"]  # a restarted attempt goes on from the newest complete checkpoint
     (args,) = HfArgumentParser(ScaleTrainingArguments).parse_args_into_dataclasses(
         [
             "--max_steps",
@@ -90,6 +102,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path)
     start_digest = weights_digest(model)
     trainer_class = ScaleTrainer if options.ascent_after is None else ascending_after(options.ascent_after)
+    if attempt < options.kill_during_saves:
+        trainer_class = killed_during_a_save(attempt, args.process_index, Path(args.output_dir))
     trainer = trainer_class(
         model=model,
         args=args,
@@ -140,6 +154,36 @@ def ascending_after(step: int) -> type[ScaleTrainer]:
             return self.lr_scheduler
 
     return AscendingTrainer
+
+
+def killed_during_a_save(attempt: int, rank: int, output_dir: Path) -> type[ScaleTrainer]:
+    """A ScaleTrainer of which one rank, drawn per attempt, is SIGKILLed 0-50 ms into its first or second save.
+
+    A ZeRO-2 save of the tiny model takes about 35 ms, so most kills land inside it.
+    """
+    draw = random.Random(attempt)
+    victim, save_number, delay = draw.randrange(2), draw.choice([1, 2]), draw.uniform(0, 0.05)
+
+    def kill(folder: Path) -> None:
+        event = {"attempt": attempt, "rank": rank, "checkpoint": folder.name, "complete": is_complete(folder)}
+        with open(output_dir / "kills.jsonl", "a") as log:
+            log.write(json.dumps(event) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    class KilledDuringASave(ScaleTrainer):
+        saves = 0
+
+        def _save_checkpoint(self, model, trial):
+            self.saves += 1
+            if rank == victim and self.saves == save_number:
+                folder = output_dir / f"checkpoint-{self.state.global_step}"
+                threading.Timer(delay, kill, (folder,)).start()
+                started = time.monotonic()
+            super()._save_checkpoint(model, trial)
+            if rank == victim and self.saves == save_number:
+                print(f"save took {time.monotonic() - started:.3f} s, kill after {delay:.3f} s", flush=True)
+
+    return KilledDuringASave
 
 
 def eval_loss_of_folder(folder, tokenizer) -> float:

@@ -1,7 +1,8 @@
 """ZeRO presets really train: 2 processes on CPU, the same fp32 losses as plain DDP, step by step.
 
 Also: AutoTP splits the attention projections across ranks; ZeRO-3 and AutoTP save a normal HF folder with the
-trained weights; bf16 trains. Resuming under ZeRO-2 and ZeRO-3 is in test_resume.py.
+trained weights; bf16 trains. Resuming under ZeRO-2 and ZeRO-3 is in test_resume.py. The DDP, ZeRO-2 and ZeRO-3
+runs are the shared reference runs of conftest.py (the fault tests compare their weights with them).
 The offload presets run DeepSpeed's CPU Adam, compiled on first use into TORCH_EXTENSIONS_DIR (about a minute).
 """
 
@@ -31,8 +32,8 @@ def max_difference(losses, reference):
 
 
 @pytest.fixture(scope="module")
-def ddp_losses(tmp_path_factory, tiny_model_dir):
-    rank0, _ = train(tmp_path_factory.mktemp("ddp"))
+def ddp_losses(reference_run):
+    rank0, _ = reference_run(None).reports
     assert rank0["wrapper"] == "DistributedDataParallel" and len(rank0["losses"]) == 20
     return rank0["losses"]
 
@@ -41,20 +42,21 @@ def ddp_losses(tmp_path_factory, tiny_model_dir):
     "preset, evaluate_first",
     [
         ("zero0", False),
-        ("zero1", False),
-        ("zero2", True),
+        ("zero1", True),
+        ("zero2", False),
         ("zero2_offload", False),
-        ("zero3", True),
+        ("zero3", False),
         ("zero3_offload_optimizer", False),
         ("zero3_offload", True),
     ],
     ids=lambda value: {True: "evaluate-then-train", False: "train"}.get(value, value),
 )
-def test_preset_matches_ddp(tmp_path, ddp_losses, tiny_model_dir, preset, evaluate_first):
-    flags = ["--zero_preset", preset, *(["--evaluate_first"] if evaluate_first else [])]
-    if preset == "zero3":
-        flags.append("--save_final")  # save_model under ZeRO-3: a normal folder with the trained weights
-    rank0, rank1 = train(tmp_path, *flags)
+def test_preset_matches_ddp(tmp_path, ddp_losses, reference_run, tiny_model_dir, preset, evaluate_first):
+    if preset in ("zero2", "zero3"):  # save_model under ZeRO-3 (--save_final): a normal folder, trained weights
+        run = reference_run(preset)
+        (rank0, rank1), tmp_path = run.reports, run.folder
+    else:
+        rank0, rank1 = train(tmp_path, "--zero_preset", preset, *(["--evaluate_first"] if evaluate_first else []))
     assert rank0["wrapper"] == rank1["wrapper"] == "DeepSpeedEngine" and rank0["world_size"] == 2
     assert max_difference(rank0["losses"], ddp_losses) < 1e-4
     assert rank0["losses"][-1] < rank0["losses"][0] / 2
