@@ -83,11 +83,12 @@ def main(argv: list[str]) -> dict:
     with args.main_process_first(desc="tokenizing"):
         if data_args.cache_tokenized:
             tokenize = partial(cached_tokenize_records, cache_dir=cache_dir() / "tokenized", **settings)
-            train_dataset, train_summary, _ = tokenize(train_records, tokenizer, template)
-            eval_dataset, eval_summary, _ = tokenize(eval_records, tokenizer, template)
         else:
-            train_dataset, train_summary = tokenize_records(train_records, tokenizer, template, **settings)
-            eval_dataset, eval_summary = tokenize_records(eval_records, tokenizer, template, **settings)
+            tokenize = partial(tokenize_records, **settings)
+        train_dataset, train_summary, *_ = tokenize(
+            train_records, tokenizer, template, num_proc=data_args.preprocessing_num_workers
+        )
+        eval_dataset, eval_summary, *_ = tokenize(eval_records, tokenizer, template)
     for name, summary in (("train", train_summary), ("eval", eval_summary)):
         check_examples_left(name, summary, data_args.max_length, data_args.truncation)
 

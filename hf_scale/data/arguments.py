@@ -68,6 +68,13 @@ class DataArguments:
     pad_to_multiple_of: int | None = field(
         default=8, metadata={"help": "Round padded batch widths up to a multiple of this (tensor-core friendly)."}
     )
+    preprocessing_num_workers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Processes that tokenize (datasets.map num_proc). One process already uses every core in the "
+            "fast tokenizer's batch call; more helps on large sets with many cores. The result is the same."
+        },
+    )
     cache_tokenized: bool = field(
         default=True,
         metadata={

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from hf_scale.data.templates import PromptTemplate
 from hf_scale.data.tokenize import TokenizationSummary, tokenize_records
 
-CACHE_VERSION = 1  # bump when tokenize_records changes what it produces
+CACHE_VERSION = 2  # bump when tokenize_records changes what it produces
 
 
 def tokenization_key(
@@ -39,17 +39,19 @@ def cached_tokenize_records(
     tokenizer: PreTrainedTokenizerBase,
     template: PromptTemplate,
     cache_dir: str | os.PathLike,
+    num_proc: int | None = None,
     **settings,
 ) -> tuple[Dataset, TokenizationSummary, bool]:
     """`tokenize_records`, stored under `cache_dir` and reused when nothing it depends on changed.
 
     Returns (dataset, summary, whether it came from the cache). A cache entry appears whole or not at all.
+    `num_proc` is not part of the key: it changes how fast the set is made, not what it holds.
     """
     folder = Path(cache_dir) / tokenization_key(records, tokenizer, template, **settings)
     if (folder / "summary.json").is_file():
         summary = TokenizationSummary(**json.loads((folder / "summary.json").read_text()))
         return load_from_disk(str(folder / "dataset")), summary, True
-    dataset, summary = tokenize_records(records, tokenizer, template, **settings)
+    dataset, summary = tokenize_records(records, tokenizer, template, num_proc=num_proc, **settings)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:

@@ -260,6 +260,7 @@ class Search:
             self.journal_heartbeat.start(self.study, trial._trial_id)
         try:
             outcome = run_trial(self.trainer, self, plan)
+            sync.meet_at_trial_end(plan.number, outcome.error, self.settings.trial_end_timeout)
             outcomes = sync.gather(outcome)
         finally:
             if self.journal_heartbeat is not None:
@@ -339,6 +340,7 @@ class Search:
             if plan == SKIP:
                 continue
             outcome = run_trial(self.trainer, self, plan)
+            sync.meet_at_trial_end(plan.number, outcome.error, self.settings.trial_end_timeout)
             outcomes = sync.gather(outcome)
             self.record(plan, outcomes)
             aborted = [o for o in outcomes if o.state == ABORTED]
@@ -379,6 +381,7 @@ class Search:
         )
 
     def run(self) -> BestRun | list[BestRun]:
+        sync.start_control_group(self.settings.trial_end_timeout)
         with frozen_gc():
             if sync.rank() == 0:
                 self.lead()

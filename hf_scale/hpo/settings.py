@@ -67,6 +67,15 @@ class SearchArguments:
         default=None,
         metadata={"help": "End the search after this many failed trials (default: n_trials), e.g. a broken setup."},
     )
+    trial_end_timeout: float = field(
+        default=300,
+        metadata={
+            "help": "Seconds a process whose trial raised waits for the others to end that trial too. A rank that "
+            "raised alone leaves the others waiting in a collective of the training step: after this wait the "
+            "job ends with a message naming the trial and rank (the study keeps the trial as failed) instead of "
+            "hanging until the process group's timeout."
+        },
+    )
     retrain_best: bool = field(
         default=False,
         metadata={

@@ -8,9 +8,18 @@ rank 0 alone raises `TrialPruned`.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from hf_scale.errors import HfScaleError
+
+_control_group: Any = None  # gloo, apart from the training's group: a trial's end never meets a training collective
+
+
+class TrialEndMissed(HfScaleError):
+    """A rank's trial raised and the other ranks did not reach the trial's end: they wait inside training."""
 
 
 def is_distributed() -> bool:
@@ -38,3 +47,34 @@ def gather(value: Any) -> list[Any]:
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
+
+
+def start_control_group(timeout: float) -> None:
+    """Every rank, before the first trial: the group on which trials end (a collective: all ranks call it).
+
+    Its operations give up after `timeout` seconds (a `monitored_barrier`'s own timeout binds only rank 0).
+    """
+    global _control_group
+    if is_distributed() and _control_group is None:
+        _control_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+
+def meet_at_trial_end(number: int, error: str | None, timeout: float) -> None:
+    """Every rank, after each trial: wait until all ranks have ended trial `number`, at most `timeout` seconds.
+
+    A trial that raised on every rank (or on none) meets at once. One that raised on some ranks only leaves the
+    others blocked in a collective of the training step, which would wait for the process group's timeout (30
+    minutes by default): the ranks that got here raise `TrialEndMissed` instead, their process ends, and the
+    launcher ends the others (their blocked collective fails when a peer's connection closes).
+    """
+    if not is_distributed():
+        return
+    try:
+        dist.barrier(group=_control_group)
+    except RuntimeError as missed:
+        cause = f"it raised here: {error.splitlines()[0]}" if error else "it ended here"
+        raise TrialEndMissed(
+            f"trial {number} on rank {rank()}: {cause}, but not every rank reached the trial's end (waited at most "
+            f"{timeout:g} s: {str(missed).splitlines()[0]}); they wait inside training. The job ends here; the "
+            "study keeps the trial as failed, and starting the search again goes on with the next trial."
+        ) from None

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 from hf_scale.data.loading import load_records
 from hf_scale.data.templates import ALPACA, TEMPLATES, get_template
 from hf_scale.data.tokenize import IGNORE_INDEX, prompt_ids, tokenize_records
+from hf_scale.tiny import generate_tasks
 from tests.helpers import SHARED_DATA
 
 RECORDS = [
@@ -159,3 +160,21 @@ def test_a_token_across_the_boundary_is_trained_on_and_counted(tokenizer):
     assert summary.boundary_merges == 1
     trained = [t for t in dataset[0]["labels"] if t != IGNORE_INDEX]
     assert tokenizer.decode(trained) == " number.</s>"  # the Stanford-style mask would have cut this token
+
+
+def test_several_processes_give_the_same_examples_and_summary(tokenizer):
+    records = generate_tasks()[0][:64]
+    records[5] = {**records[5], "instruction": "word " * 200}  # the prompt alone fills max_length: dropped
+    records[9] = {**records[9], "output": "word " * 200}  # cut at max_length
+    one, one_summary = tokenize_records(records, tokenizer, ALPACA, max_length=128)
+    two, two_summary = tokenize_records(records, tokenizer, ALPACA, max_length=128, num_proc=2)
+    assert one_summary == two_summary and one_summary.dropped_indices == [5] and one_summary.response_cut == 1
+    assert one.to_dict() == two.to_dict() and len(one) == 63
+
+
+def test_padding_left_on_the_tokenizer_by_an_earlier_call_does_not_leak_in(tokenizer):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.pad_token = tokenizer.unk_token
+    tokenizer(["a few words"], padding="max_length", max_length=300, truncation=True)  # sets the Rust backend
+    dataset, _ = tokenize_records(RECORDS[:2], tokenizer, ALPACA, max_length=256)
+    assert all(len(ids) < 100 and tokenizer.pad_token_id not in ids for ids in dataset["input_ids"])

@@ -34,7 +34,9 @@ def options() -> argparse.Namespace:
     parser.add_argument("--eval_steps", type=int, default=6)
     parser.add_argument("--train_records", type=int, default=1024)
     parser.add_argument("--eval_records", type=int, default=64)
-    parser.add_argument("--fail_trial", type=int, default=-1, help="this trial raises at its 3rd step on every rank")
+    parser.add_argument("--fail_trial", type=int, default=-1, help="this trial raises at its 3rd step ...")
+    parser.add_argument("--fail_rank", type=int, default=-1, help="... on this rank only (default: every rank)")
+    parser.add_argument("--trial_end_timeout", type=float, default=300)
     parser.add_argument("--fail_init_trial", type=int, default=-1, help="model_init raises for this trial ...")
     parser.add_argument("--fail_init_rank", type=int, default=-1, help="... on this rank only")
     parser.add_argument("--sleep_trial", type=int, default=-1, help="this trial sleeps 600 s at its 2nd step")
@@ -70,12 +72,13 @@ def digest(model: torch.nn.Module, prefix: str = "") -> str:
 class Misbehave(TrainerCallback):
     """Makes one trial raise or hang, identified by its output folder (trial-NNNN)."""
 
-    def __init__(self, fail_trial: int, sleep_trial: int) -> None:
-        self.fail_trial, self.sleep_trial = fail_trial, sleep_trial
+    def __init__(self, fail_trial: int, fail_rank: int, sleep_trial: int) -> None:
+        self.fail_trial, self.fail_rank, self.sleep_trial = fail_trial, fail_rank, sleep_trial
 
     def on_step_end(self, args, state, control, **kwargs):
         folder = Path(args.output_dir).name
-        if folder == f"trial-{self.fail_trial:04d}" and state.global_step == 3:
+        this_rank = self.fail_rank in (-1, args.process_index)
+        if folder == f"trial-{self.fail_trial:04d}" and state.global_step == 3 and this_rank:
             raise RuntimeError(f"trial {self.fail_trial} breaks on purpose")
         if folder == f"trial-{self.sleep_trial:04d}" and state.global_step == 2:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -151,7 +154,7 @@ def main() -> None:
         eval_dataset=evaluation,
         data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX),
         processing_class=tokenizer,
-        callbacks=[Misbehave(opts.fail_trial, opts.sleep_trial), BaseDigest()],
+        callbacks=[Misbehave(opts.fail_trial, opts.fail_rank, opts.sleep_trial), BaseDigest()],
     )
     extra = {}
     if opts.timeout:
@@ -173,6 +176,7 @@ def main() -> None:
         grace_period=opts.grace_period,
         lora_fast_path=opts.lora_fast_path == "true",
         retrain_best=opts.retrain_best,
+        trial_end_timeout=opts.trial_end_timeout,
         **extra,
     )
     seconds = time.time() - started

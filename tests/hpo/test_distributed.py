@@ -4,11 +4,16 @@ The trials follow a fixed list of learning rates (not the sampler), so that what
 every run: trial 0 learns; trial 1's model_init raises on rank 1 only (rank 0 must not wait for it in DDP's first
 collective); trial 2 (1e-5) is pruned at its first evaluation; trial 3 raises at its third step on both ranks; then
 trials go on until the timeout stops the search. n_trials is far out of reach.
+A trial that raises on one rank only, mid-training, ends the job within trial_end_timeout instead of hanging.
 """
+
+import sqlite3
+import time
 
 import pytest
 
-from tests.hpo.conftest import run_search, trials_seen
+from tests.helpers import run_command, torchrun
+from tests.hpo.conftest import WORKER, run_search, trials_seen
 
 pytestmark = pytest.mark.slow
 LEARNING_RATES = "5e-3,5e-3,1e-5,5e-3,2e-2,1e-5,1e-2"
@@ -43,3 +48,18 @@ def test_two_ranks_run_the_same_trials_and_stop_together(tmp_path, tiny_model_di
     for report in (rank0, rank1):
         assert report["eval_after_search"]["eval_loss"] == pytest.approx(report["best"]["objective"], rel=1e-6)
     assert rank0["best"] == rank1["best"]
+
+
+def test_a_trial_that_raises_on_one_rank_ends_the_job_instead_of_hanging(tmp_path, tiny_model_dir):
+    # Trial 1 raises at its 3rd step on rank 1 only; rank 0 then waits in the 4th step's gradient all-reduce.
+    flags = ["--lrs", "5e-3", "--n_trials", "3", "--fail_trial", "1", "--fail_rank", "1", "--trial_end_timeout", "10"]
+    started = time.monotonic()
+    result = run_command(torchrun(WORKER, "--output_dir", str(tmp_path), *flags), timeout=300)
+    seconds = time.monotonic() - started
+    assert result.returncode != 0 and not (tmp_path / "rank0.json").exists()
+    message = "trial 1 on rank 1: it raised here: RuntimeError: trial 1 breaks on purpose, but not every rank"
+    assert message in result.stderr, result.stderr[-3000:]
+    assert seconds < 120  # the 10 s wait and the teardown, not the process group's 30-minute timeout
+    with sqlite3.connect(tmp_path / "optuna_study.db") as db:
+        states = dict(db.execute("SELECT number, state FROM trials ORDER BY number").fetchall())
+    assert states[0] == "COMPLETE" and states[1] in ("FAIL", "RUNNING") and 2 not in states
