@@ -41,7 +41,12 @@ def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest checkpoint whose save finished, or None."""
+    """The newest checkpoint whose save finished, or None.
+
+    Example:
+        resume = last_complete_checkpoint(args.output_dir) is not None  # e.g. after a torchrun restart
+        trainer.train(resume_from_checkpoint=True if resume else None)
+    """
     complete = [path for path in checkpoints(output_dir) if is_complete(path)]
     return complete[-1] if complete else None
 

@@ -126,6 +126,11 @@ class GenerationEval:
     The scores appear as `eval_exact_match` and `eval_token_f1` (with the evaluation's prefix), so they can be
     `metric_for_best_model` and the early-stopping metric. `tokenizer` defaults to the trainer's
     processing_class.
+
+    Example:
+        trainer = ScaleTrainer(model=model, args=args, eval_dataset=held_out_tokens,
+                               generation_eval=GenerationEval(held_out_records[:200], template, max_new_tokens=32))
+        print(trainer.evaluate()["eval_exact_match"])
     """
 
     records: Sequence[dict[str, str]]

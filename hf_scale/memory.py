@@ -226,7 +226,14 @@ def _add_step_times(result: StrategyEstimate, shape: ModelShape, workload: Workl
 
 
 def plan(shape: ModelShape, workload: Workload, accounting: Accounting = "deepspeed") -> Plan:
-    """Every strategy's estimate, the fastest that fits, and what to change when none does."""
+    """Every strategy's estimate, the fastest that fits, and what to change when none does.
+
+    Example:
+        name = "meta-llama/Llama-2-7b-hf"
+        shape = shape_from_config(name, AutoConfig.from_pretrained(name))
+        result = plan(shape, Workload(gpu=CATALOGUE["a100-80g"], gpus_per_node=4, micro_batch=2))
+        print(result.recommendation)  # "zero1": the fastest strategy that fits in 90 % of the card
+    """
     estimates = {s: estimate(shape, workload, s, accounting) for s in STRATEGIES}
     recommendation = next((s for s in SPEED_ORDER if estimates[s].fits), None)
     advice = [] if recommendation else _advice(shape, workload, estimates, accounting)

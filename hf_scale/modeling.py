@@ -120,7 +120,12 @@ def _json_mapping(path: Path) -> dict:
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer, with a pad token: LLaMA-2 has none. `unk` is used when there is one, so pad != EOS."""
+    """The tokenizer, with a pad token: LLaMA-2 has none. `unk` is used when there is one, so pad != EOS.
+
+    Example:
+        tokenizer = load_tokenizer("meta-llama/Llama-2-7b-hf")
+        assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    """
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.unk_token is not None:
@@ -133,7 +138,11 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def load_model(args: ModelArguments, name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """The causal LM, told the tokenizer's pad token, wrapped with LoRA adapters when `lora_r` > 0."""
+    """The causal LM, told the tokenizer's pad token, wrapped with LoRA adapters when `lora_r` > 0.
+
+    Example:
+        model = load_model(ModelArguments(lora_r=16, dtype="bfloat16"), "meta-llama/Llama-2-7b-hf", tokenizer)
+    """
     check_model_is_safe(name, args.allow_pickle_weights, args.trust_remote_code)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     try:

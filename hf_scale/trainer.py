@@ -23,7 +23,19 @@ from hf_scale.output_dir import checkpoint_save_guard
 
 
 class ScaleTrainer(Trainer):
-    """A `Trainer` that checks, before any work, that its processes really train together."""
+    """A `Trainer` that checks, before any work, that its processes really train together.
+
+    On top of `Trainer`: gloo DDP on CPU, ZeRO presets by name, early stopping, throughput and divergence
+    callbacks, greedy generation metrics (`generation_eval`), complete-or-ignored checkpoints, and an Optuna
+    `hyperparameter_search` that is right on many processes.
+
+    Example:
+        args = ScaleTrainingArguments(output_dir="out", zero_preset="zero2", bf16=True, early_stopping_patience=3,
+                                      eval_strategy="steps", eval_steps=50, save_steps=50)
+        trainer = ScaleTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+                               data_collator=make_collator(tokenizer, packing=True), processing_class=tokenizer)
+        trainer.train()
+    """
 
     args: ScaleTrainingArguments
 
@@ -231,6 +243,12 @@ class ScaleTrainer(Trainer):
         of `metric_for_best_model` (eval_loss by default) seen in each trial; `direction` defaults to its own. Every
         rank runs the same trials; afterwards the best trial's model is in `self.model` (saved to
         output_dir/best-model) and the study is `self.hp_search_study` on rank 0. See hf_scale/hpo.
+
+        Example:
+            trainer = ScaleTrainer(model_init=lambda trial: load_model(model_args, path, tokenizer), args=args,
+                                   train_dataset=train, eval_dataset=held_out)
+            best = trainer.hyperparameter_search(n_trials=20, storage="postgresql://hpo:PASSWORD@db/hpo")
+            print(best.hyperparameters, best.objective)
         """
         from hf_scale.hpo.search import hyperparameter_search  # optuna is needed only here
 

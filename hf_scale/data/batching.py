@@ -23,7 +23,12 @@ MEGABATCH_FACTOR = 50  # transformers' LengthGroupedSampler sorts within megabat
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool, pad_to_multiple_of: int | None = 8):
-    """Padding-free packing, or padding to the longest example of each batch (labels padded with -100)."""
+    """Padding-free packing, or padding to the longest example of each batch (labels padded with -100).
+
+    Example:
+        collator = make_collator(tokenizer, packing=True)  # one row per batch, per-example position_ids
+        batch = collator([dataset[0], dataset[1]])
+    """
     if packing:
         return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=pad_to_multiple_of)

@@ -46,6 +46,10 @@ def cached_tokenize_records(
 
     Returns (dataset, summary, whether it came from the cache). A cache entry appears whole or not at all.
     `num_proc` is not part of the key: it changes how fast the set is made, not what it holds.
+
+    Example:
+        dataset, summary, reused = cached_tokenize_records(records, tokenizer, template, "cache/tokenized",
+                                                           max_length=512)
     """
     folder = Path(cache_dir) / tokenization_key(records, tokenizer, template, **settings)
     if (folder / "summary.json").is_file():

@@ -75,6 +75,11 @@ def load_records(
 
     Returns the valid records with the fields renamed to instruction/input/output, and the check's outcome.
     `key` is the config key that named the data, for error messages.
+
+    Example:
+        records, check = load_records("data/train.jsonl", fields=FieldNames("prompt", "context", "response"),
+                                      on_bad_record="skip")
+        print(check)  # records read, kept, skipped (with the first indices and why)
     """
     from datasets import load_dataset
 

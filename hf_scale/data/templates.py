@@ -82,6 +82,10 @@ def get_template(
     - `chat_template`: the tokenizer's own chat template, rendered once with placeholders;
     - a JSON object `{"with_input": ..., "without_input": ..., "response": ...}` for a user template.
     An unknown name is a `ConfigError` that lists the known ones.
+
+    Example:
+        template = get_template("llama2_chat", system_prompt="You are a helpful assistant.")
+        prompt = template.format_prompt("Translate to French", "good morning")
     """
     if name.lstrip().startswith("{"):
         return _user_template(name)

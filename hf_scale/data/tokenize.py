@@ -80,8 +80,9 @@ def tokenize_records(
     and many cores.
 
     Example:
-        >>> dataset, summary = tokenize_records(records, tokenizer, get_template("alpaca"), max_length=512)
-        >>> print(summary)  # records in, examples out, what was cut or dropped and why
+        records, _ = load_records("../shared/data/alpaca_en_demo.json")
+        dataset, summary = tokenize_records(records, tokenizer, get_template("alpaca"), max_length=512)
+        print(summary)  # records in, examples out, what was cut or dropped and why
     """
     if tokenizer.eos_token_id is None:
         raise ConfigError("the tokenizer has no EOS token: the model could never learn to stop")

@@ -25,6 +25,10 @@ def zero_preset(name: str, **overrides: Any) -> dict[str, Any]:
     """The preset called `name` as a dict (a fresh copy), with top-level `overrides` applied.
 
     A dict override is merged one level deep, so `zero_optimization={"stage": 3}` changes the stage only.
+
+    Example:
+        config = zero_preset("zero2", zero_optimization={"overlap_comm": False})
+        args = ScaleTrainingArguments(output_dir="out", deepspeed=config)  # or simply zero_preset="zero2"
     """
     known = list_presets()
     if name not in known:
