@@ -37,7 +37,7 @@ def check_elastic_restarts() -> None:
     When the workers share the launcher's rendezvous store (TORCHELASTIC_USE_AGENT_STORE=True, the default),
     a restarted attempt reads the dead attempt's addresses from it and waits in `init_process_group` until
     the timeout (gloo here, measured; NCCL in pytorch/pytorch#135712). With its own store per attempt the
-    restart works: tests/distributed/test_kills_during_saves.py restarts a ZeRO-2 job 5 times this way.
+    restart works: tests/distributed/test_kills_during_saves.py restarts a ZeRO-2 job 20 times this way.
     """
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

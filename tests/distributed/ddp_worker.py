@@ -6,7 +6,7 @@ Extra flags are ScaleTrainingArguments flags, e.g. `--auto_cpu_ddp false`, plus 
 kills itself with SIGKILL once checkpoint N is saved), `--save_final` (evaluate after training and `save_model`
 to <output_dir>/final), `--ascent_after N` (from step N on the learning rate is negated: the eval loss falls,
 then rises), `--kill_during_saves N` (under `torchrun --max_restarts`: in each of the first N attempts a random
-rank SIGKILLs itself at a random moment of a checkpoint save; every attempt after the first resumes from the
+rank SIGKILLs itself at a random moment of its first checkpoint save; every attempt after the first resumes from the
 newest complete checkpoint; what was on disk at each kill goes to kills.jsonl).
 Each rank also writes the weights it holds to rank<N>.safetensors.
 """
@@ -157,12 +157,12 @@ def ascending_after(step: int) -> type[ScaleTrainer]:
 
 
 def killed_during_a_save(attempt: int, rank: int, output_dir: Path) -> type[ScaleTrainer]:
-    """A ScaleTrainer of which one rank, drawn per attempt, is SIGKILLed 0-50 ms into its first or second save.
+    """A ScaleTrainer of which one rank, drawn per attempt, is SIGKILLed 0-50 ms into the attempt's first save.
 
     A ZeRO-2 save of the tiny model takes about 35 ms, so most kills land inside it.
     """
     draw = random.Random(attempt)
-    victim, save_number, delay = draw.randrange(2), draw.choice([1, 2]), draw.uniform(0, 0.05)
+    victim, delay = draw.randrange(2), draw.uniform(0, 0.05)
 
     def kill(folder: Path) -> None:
         event = {"attempt": attempt, "rank": rank, "checkpoint": folder.name, "complete": is_complete(folder)}
@@ -175,12 +175,12 @@ def killed_during_a_save(attempt: int, rank: int, output_dir: Path) -> type[Scal
 
         def _save_checkpoint(self, model, trial):
             self.saves += 1
-            if rank == victim and self.saves == save_number:
+            if rank == victim and self.saves == 1:
                 folder = output_dir / f"checkpoint-{self.state.global_step}"
                 threading.Timer(delay, kill, (folder,)).start()
                 started = time.monotonic()
             super()._save_checkpoint(model, trial)
-            if rank == victim and self.saves == save_number:
+            if rank == victim and self.saves == 1:
                 print(f"save took {time.monotonic() - started:.3f} s, kill after {delay:.3f} s", flush=True)
 
     return KilledDuringASave
