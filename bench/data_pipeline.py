@@ -1,11 +1,13 @@
 """The instruction-data pipeline on the real Alpaca sets, measured side by side in one run.
 
     python bench/data_pipeline.py            # needs ../shared/data (alpaca_en_demo.json, alpaca_zh_demo.json)
+    python bench/data_pipeline.py --vocab-size 2000 --repeats 1 --steps 3 --rounds 1   # a quick look (the suite)
 
 (a) tokenization examples/s: hf_scale's batched, exact pipeline against Stanford Alpaca's `preprocess` (one
     text at a time, the prompt tokenized a second time, mask = len(tokenize(prompt)));
 (b) the share of batch tokens that are padding: pad-to-512, dynamic padding, length grouping, packing;
-(c) real (non-pad) training tokens/s of the tiny model: packing against pad-to-512.
+(c) real (non-pad) training tokens/s of the tiny model: packing against pad-to-512, timed after the first step
+    (warm-up), in paired rounds that alternate which goes first; the ratio is the median of the rounds'.
 A 32k byte-level BPE is trained on the two sets first, as a stand-in for LLaMA's tokenizer.
 """
 
@@ -17,7 +19,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from transformers import DataCollatorForSeq2Seq
+from transformers import DataCollatorForSeq2Seq, TrainerCallback
 
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.data.batching import make_collator, padding_fraction
@@ -64,7 +66,18 @@ def examples_per_second(function, records, repeats: int = 3) -> float:
     return len(records) / statistics.median(times)
 
 
-def real_tokens_per_second(dataset, tokenizer, packing: bool, steps: int, batch_size: int) -> float:
+class StepClock(TrainerCallback):
+    """When the first step ended and when the last did: training time without the warm-up step."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.first = time.perf_counter()
+        self.last = time.perf_counter()
+
+
+def real_tokens_per_second(
+    dataset, tokenizer, packing: bool, steps: int, batch_size: int, packed_sdpa: bool = True
+) -> float:
     # packed rows hold a whole batch, so positions go up to batch x max_length
     model = build_tiny_model(tokenizer, max_position_embeddings=MAX_LENGTH * batch_size)
     if packing:
@@ -73,8 +86,10 @@ def real_tokens_per_second(dataset, tokenizer, packing: bool, steps: int, batch_
         collator = DataCollatorForSeq2Seq(
             tokenizer, padding="max_length", max_length=MAX_LENGTH, label_pad_token_id=IGNORE_INDEX
         )
+    # Steps 2..N are timed; without shuffling, their batches are the records after the first batch.
     subset = dataset.select(range(steps * batch_size))
-    real_tokens = sum(len(ids) for ids in subset["input_ids"])
+    real_tokens = sum(len(ids) for ids in subset.select(range(batch_size, len(subset)))["input_ids"])
+    clock = StepClock()
     with tempfile.TemporaryDirectory() as output_dir:
         args = ScaleTrainingArguments(
             output_dir=output_dir,
@@ -86,31 +101,41 @@ def real_tokens_per_second(dataset, tokenizer, packing: bool, steps: int, batch_
             disable_tqdm=True,
             logging_steps=steps,
             seed=0,
+            train_sampling_strategy="sequential",
+            packed_sdpa=packed_sdpa,
         )
-        trainer = ScaleTrainer(model=model, args=args, train_dataset=subset, data_collator=collator)
-        start = time.perf_counter()
+        trainer = ScaleTrainer(model=model, args=args, train_dataset=subset, data_collator=collator, callbacks=[clock])
         trainer.train()
-        return real_tokens / (time.perf_counter() - start)
+        return real_tokens / (clock.last - clock.first)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="training steps per batching in (c)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per batching in (c), >= 2")
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds of (c), alternating which goes first")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of (a); the median counts")
+    parser.add_argument("--vocab-size", type=int, default=32_000, help="of the BPE trained on the two sets")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--dense-packed-mask",
+        action="store_true",
+        help="packing through transformers' block-diagonal mask over the whole row (packed_sdpa=False)",
+    )
     options = parser.parse_args()
     if not DATA.is_dir():
         raise SystemExit(f"{DATA} is absent: this benchmark needs the real Alpaca sets")
 
     loaded = {lang: json.loads((DATA / name).read_text()) for lang, (name, _) in SETS.items()}
     texts = [r["instruction"] + "\n" + r["input"] + "\n" + r["output"] for rs in loaded.values() for r in rs]
-    tokenizer = build_tiny_tokenizer(vocab_size=32_000, texts=texts)
+    tokenizer = build_tiny_tokenizer(vocab_size=options.vocab_size, texts=texts)
     tokenizer.pad_token = tokenizer.unk_token
 
     rows = []
     for lang, (_, template_name) in SETS.items():
         records, template = loaded[lang], get_template(template_name)
-        ours = examples_per_second(partial(tokenize_records, records, tokenizer, template, MAX_LENGTH), records)
-        theirs = examples_per_second(partial(reference_loop, records, tokenizer, template), records)
+        tokenize = partial(tokenize_records, records, tokenizer, template, MAX_LENGTH)
+        ours = examples_per_second(tokenize, records, options.repeats)
+        theirs = examples_per_second(partial(reference_loop, records, tokenizer, template), records, options.repeats)
         dataset, summary = tokenize_records(records, tokenizer, template, MAX_LENGTH)
         lengths = [len(ids) for ids in dataset["input_ids"]]
         waste = {
@@ -118,21 +143,35 @@ def main() -> None:
             for kind in ("pad_to_max_length", "dynamic", "group_by_length", "packing")
         }
         dataset = dataset.shuffle(seed=0)
-        packed = real_tokens_per_second(dataset, tokenizer, True, options.steps, options.batch_size)
-        padded = real_tokens_per_second(dataset, tokenizer, False, options.steps, options.batch_size)
-        rows.append((lang, len(records), statistics.median(lengths), ours, theirs, waste, packed, padded))
+        packed, padded = [], []
+        for round_index in range(options.rounds):
+            modes = [(packed, True), (padded, False)][:: 1 if round_index % 2 == 0 else -1]
+            for results, packing in modes:
+                results.append(
+                    real_tokens_per_second(
+                        dataset, tokenizer, packing, options.steps, options.batch_size, not options.dense_packed_mask
+                    )
+                )
+        ratio = statistics.median(p / q for p, q in zip(packed, padded, strict=True))
+        packed, padded = statistics.median(packed), statistics.median(padded)
+        rows.append((lang, len(records), statistics.median(lengths), ours, theirs, waste, packed, padded, ratio))
 
-    print(f"\nbatch size {options.batch_size}, max_length {MAX_LENGTH}, {options.steps} training steps per batching")
+    print(
+        f"\nbatch size {options.batch_size}, max_length {MAX_LENGTH}, BPE vocabulary {options.vocab_size}; (a) median "
+        f"of {options.repeats} repeats; (c) {options.steps} steps per batching, first step untimed, median of "
+        f"{options.rounds} paired rounds; packed attention: "
+        f"{'dense block-diagonal mask' if options.dense_packed_mask else 'per example (hf_scale_packed_sdpa)'}"
+    )
     print(
         "| set | records | median tokens | (a) pipeline ex/s | reference ex/s | ratio | (b) pad-512 | dynamic "
         "| grouped | packing | (c) packed real tok/s | pad-512 real tok/s | ratio |"
     )
     print("|" + "---|" * 13)
-    for lang, n, median, ours, theirs, waste, packed, padded in rows:
+    for lang, n, median, ours, theirs, waste, packed, padded, ratio in rows:
         print(
             f"| {lang} | {n} | {median:.0f} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.1f}x "
             f"| {waste['pad_to_max_length']:.1%} | {waste['dynamic']:.1%} | {waste['group_by_length']:.1%} "
-            f"| {waste['packing']:.1%} | {packed:,.0f} | {padded:,.0f} | {packed / padded:.2f}x |"
+            f"| {waste['packing']:.1%} | {packed:,.0f} | {padded:,.0f} | {ratio:.2f}x |"
         )
 
 

@@ -116,6 +116,15 @@ class ScaleTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Also treat a loss above this factor x its running mean as divergence (e.g. 5)."},
     )
+    packed_sdpa: bool = field(
+        default=True,
+        metadata={
+            "help": "On packed batches, run a model on sdpa attention one example at a time "
+            "(hf_scale_packed_sdpa) instead of over the whole row through a block-diagonal mask: the same "
+            "result, at the cost of the examples' own lengths rather than the row's square. Models on eager, "
+            "flash-attn or flex attention keep theirs."
+        },
+    )
     auto_cpu_ddp: bool = field(
         default=True,
         metadata={

@@ -11,18 +11,50 @@ import sys
 
 from hf_scale.errors import HfScaleError
 
+# Every `hf-scale ...` line of these examples runs in tests/test_cli.py (report on a study it builds).
+MAIN_EXAMPLES = """examples:
+  hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4 --micro-batch 2
+  hf-scale presets show zero2
+  hf-scale train --max_steps 100                   # the embedded tiny default, on any CPU
+  hf-scale env
+"""
+
 PLAN_EXAMPLES = """examples:
   hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4
   hf-scale plan --model meta-llama/Llama-2-70b-hf --gpu a100-80g --gpus 8 --nodes 2 --seq-len 2048 --grad-ckpt
-  hf-scale plan --model ./my-model --gpu rtx4090-24g --gpus 4 --micro-batch 1 --lora-r 16 --json
+  hf-scale plan --model meta-llama/Llama-2-13b-hf --gpu rtx4090-24g --gpus 4 --micro-batch 1 --lora-r 16 --json
+  (--model also takes a hub id or a local folder with a config.json)
+"""
+
+PRESETS_EXAMPLES = """examples:
+  hf-scale presets list
+  hf-scale presets show zero3_offload
+"""
+
+ENV_EXAMPLES = """examples:
+  hf-scale env
+  hf-scale env --json
+"""
+
+REPORT_EXAMPLES = """examples:
+  hf-scale report outputs/search-tiny-cpu/optuna_study.db
+  hf-scale report outputs/search-tiny-cpu/optuna_study.db --out outputs/search-tiny-cpu/hpo-report
+  (a study's storage URL works too: postgresql://USER:PASSWORD@HOST/DB)
 """
 
 
 TRAIN_EXAMPLES = """examples:
-  hf-scale train                                   # the embedded tiny default, on any CPU
-  hf-scale train --config recipes/configs/llama2_7b_4xa100_zero1.yaml --learning_rate 3e-5
-  accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml -m hf_scale.cli train \\
+  hf-scale train --max_steps 100                   # the embedded tiny default, on any CPU
+  on GPU nodes, launch the recipe itself (see README.md "On a GPU node"):
+  accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml recipes/finetune_llama2.py \\
       --config recipes/configs/llama2_7b_4xa100_zero1.yaml
+"""
+
+SEARCH_EXAMPLES = """examples:
+  hf-scale search --n_trials 2 --max_steps 20      # the embedded tiny default, on any CPU
+  on GPU nodes, launch the recipe itself (see README.md "Hyperparameter search"):
+  accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml recipes/search_llama2.py \\
+      --config recipes/configs/search_llama2_7b_lora.yaml
 """
 
 
@@ -117,6 +149,8 @@ def presets_command(options: argparse.Namespace) -> None:
 def train_command(options: argparse.Namespace) -> None:
     from hf_scale.recipe_runner import run_recipe
 
+    if "-h" in options.recipe_args or "--help" in options.recipe_args:
+        print(TRAIN_EXAMPLES)  # then the recipe's own help: how to launch it and every flag
     run_recipe("finetune_llama2.py", options.recipe_args)
 
 
@@ -130,6 +164,8 @@ def env_command(options: argparse.Namespace) -> None:
 def search_command(options: argparse.Namespace) -> None:
     from hf_scale.hpo.recipe_path import run_search_recipe
 
+    if "-h" in options.recipe_args or "--help" in options.recipe_args:
+        print(SEARCH_EXAMPLES)  # then the recipe's own help: how to launch it and every flag
     run_search_recipe(options.recipe_args)
 
 
@@ -142,8 +178,20 @@ def report_command(options: argparse.Namespace) -> None:
         print(f"trials table and plots in {write_report(study, options.out)}")
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported on one line (and where the help is) instead of usage + error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-scale", description="Instruction fine-tuning at scale, in the HF API.")
+    parser = OneLineErrorParser(
+        prog="hf-scale",
+        description="Instruction fine-tuning at scale, in the HF API.",
+        epilog=MAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan_parser = commands.add_parser(
@@ -165,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--json", action="store_true", help="machine-readable output")
     plan_parser.set_defaults(run=plan_command)
 
-    presets_parser = commands.add_parser("presets", help="the shipped DeepSpeed ZeRO presets")
+    presets_parser = commands.add_parser(
+        "presets",
+        help="the shipped DeepSpeed ZeRO presets",
+        epilog=PRESETS_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     presets_parser.add_argument("action", choices=["list", "show"])
     presets_parser.add_argument("name", nargs="?", help="preset to show")
     presets_parser.set_defaults(run=presets_command)
@@ -174,15 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="fine-tune (recipes/finetune_llama2.py; launch with accelerate or torchrun for many GPUs)",
         description="Runs recipes/finetune_llama2.py with the flags given; with none, the tiny CPU default.",
-        epilog=TRAIN_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         add_help=False,  # -h and every flag belong to the recipe
         prefix_chars="\0",
     )
     train_parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags, e.g. --config X")
     train_parser.set_defaults(run=train_command)
 
-    env_parser = commands.add_parser("env", help="versions, devices, DeepSpeed ops and what is missing")
+    env_parser = commands.add_parser(
+        "env",
+        help="versions, devices, DeepSpeed ops and what is missing",
+        epilog=ENV_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     env_parser.add_argument("--json", action="store_true", help="machine-readable output")
     env_parser.set_defaults(run=env_command)
 
@@ -195,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     search_parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags, e.g. --config X")
     search_parser.set_defaults(run=search_command)
 
-    report_parser = commands.add_parser("report", help="trials table and plots of a search's study")
+    report_parser = commands.add_parser(
+        "report",
+        help="trials table and plots of a search's study",
+        epilog=REPORT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     report_parser.add_argument("study", help="a study file (optuna_study.db, a journal file) or a storage URL")
     report_parser.add_argument("--study-name", help="needed when the storage holds several studies")
     report_parser.add_argument("--out", help="folder for trials.csv, trials.json and the plots")

@@ -20,6 +20,7 @@ from hf_scale.distributed import check_model_is_wrapped, check_process_group
 from hf_scale.errors import ConfigError
 from hf_scale.evaluation import GenerationEval, generation_metrics
 from hf_scale.output_dir import checkpoint_save_guard
+from hf_scale.packed_attention import use_packed_sdpa
 
 
 class ScaleTrainer(Trainer):
@@ -168,6 +169,9 @@ class ScaleTrainer(Trainer):
             # With a KV cache (use_cache=True in the model config) transformers skips the block-diagonal mask
             # that position_ids imply, and packed examples silently attend to each other.
             inputs = {**inputs, "use_cache": False}
+            if self.args.packed_sdpa:
+                base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+                use_packed_sdpa(base)
         result = super().compute_loss(model, inputs, *args, **kwargs)
         if not model.training or self.args.divergence_action == "off":
             return result

@@ -7,7 +7,7 @@ With no arguments it trains the embedded tiny LLaMA on generated tasks, on any C
 
 On GPU nodes, pick a config (and an accelerate config for the process layout):
 
-    accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml recipes/finetune_llama2.py \
+    accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml recipes/finetune_llama2.py \\
         --config recipes/configs/llama2_7b_4xa100_zero1.yaml
     torchrun --nproc_per_node 8 recipes/finetune_llama2.py --config recipes/configs/llama2_13b_8xa100_zero2.yaml
     deepspeed --num_gpus 8 recipes/finetune_llama2.py --config recipes/configs/llama2_13b_8xa100_zero2.yaml
@@ -159,6 +159,7 @@ def main(argv: list[str]) -> dict:
                 f"{after['eval_after_exact_match']:.3f} on {len(exact_match_records)} records never seen in training"
             )
         say(f"saved model, tokenizer, metrics.json, loss_curve.png and learning_rate.png to {output_dir}")
+    trainer.accelerator.end_training()  # the process group ends before the interpreter does
     return results
 
 

@@ -9,7 +9,7 @@ generated tasks, on any CPU, in a few minutes:
 
 On GPU nodes, a config picks the model, the data, the trial length and the search (ranges, trials, storage):
 
-    accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml recipes/search_llama2.py \
+    accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml recipes/search_llama2.py \\
         --config recipes/configs/search_llama2_7b_lora.yaml
 
 Several nodes can work on one study: give every worker the same `storage` (a PostgreSQL URL, or journal:PATH on a
@@ -43,6 +43,8 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "search_tiny_cpu.yaml"
 
 def main(argv: list[str]) -> dict:
     # 1. Arguments: the YAML config, then flags on top; the search's own settings beside the training ones.
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)  # how to launch it; the parser's help, with every flag, follows
     if not any(arg == "--config" or arg.startswith("--config=") for arg in argv):
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     parser = HfArgumentParser((ModelArguments, DataArguments, ScaleTrainingArguments, SearchArguments, SpaceArguments))
@@ -99,6 +101,7 @@ def main(argv: list[str]) -> dict:
         (Path(args.output_dir) / "best_run.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
         print(f"best trial {best.run_id}: {args.metric_for_best_model or 'eval_loss'} {best.objective:.4g} with")
         print(json.dumps(best.hyperparameters, indent=2, default=str))
+    trainer.accelerator.end_training()  # the process group ends before the interpreter does
     return results
 
 

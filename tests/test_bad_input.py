@@ -58,6 +58,12 @@ CASES = [
     ("wrong type", "max_length: long", [], r"config file .*bad.yaml: key 'max_length': invalid int value: 'long'"),
     ("list for one value", "learning_rate: [1e-4, 2e-4]", [], r"key 'learning_rate' takes one value"),
     (
+        "unknown key on the command line",
+        "",
+        ["--learning_rat", "1e-3"],
+        r"command line: unknown key 'learning_rat' \(did you mean 'learning_rate'\?\)",
+    ),
+    (
         "wrong type on the command line",
         "",
         ["--per_device_train_batch_size", "many"],

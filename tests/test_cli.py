@@ -1,5 +1,7 @@
 import json
+import re
 
+import optuna
 import pytest
 
 from hf_scale.cli import main
@@ -52,17 +54,45 @@ def test_help_has_examples(capsys):
     assert "hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["plan", "presets", "train", "env", "search", "report"])
-def test_every_command_has_help_with_an_example_or_its_flags(command, capsys):
+HELPS = [[], ["plan"], ["presets"], ["train"], ["env"], ["search"], ["report"]]
+
+
+def help_of(command: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit_:
-        main([command, "--help"])
+        main([*command, "--help"])
     assert exit_.value.code == 0
-    out = capsys.readouterr().out
-    assert "usage:" in out
-    if command == "plan":
-        assert "examples:" in out and "hf-scale plan --model" in out
-    if command == "train":  # the recipe's own help: how to launch it, then every flag
-        assert "accelerate launch recipes/finetune_llama2.py" in out and "--learning_rate" in out
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", HELPS, ids=lambda c: " ".join(c) or "hf-scale")
+def test_every_help_shows_examples(command, capsys):
+    out = help_of(command, capsys)
+    assert "usage:" in out and "examples:" in out
+    assert re.search(rf"^  hf-scale {' '.join(command)}", out, re.MULTILINE), out
+    if command in (["train"], ["search"]):  # then the recipe's own help: how to launch it, and every flag
+        assert "accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml" in out and "--learning_rate" in out
+
+
+@pytest.mark.slow
+def test_every_example_in_the_help_runs(tmp_path, capsys, hf_scale_cache):
+    """Each `hf-scale ...` line of every help exits 0: train and search write into tmp_path, report reads a study."""
+    examples = []
+    for command in HELPS:
+        out = help_of(command, capsys)
+        examples += re.findall(r"^  (hf-scale [^#\n]*?)\s*(?:#.*)?$", out, re.MULTILINE)
+    study_file = "outputs/search-tiny-cpu/optuna_study.db"
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna_study.db'}", study_name="hf_scale")
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=3)
+    for example in dict.fromkeys(examples):
+        words = example.replace(study_file, str(tmp_path / "optuna_study.db")).split()[1:]
+        words = [str(tmp_path / "report") if word.startswith("outputs/") else word for word in words]
+        if words[0] in ("train", "search"):
+            words += ["--output_dir", str(tmp_path / words[0])]
+        assert main(words) == 0, example
+        capsys.readouterr()
+    assert {example.split()[1] for example in examples} == {"plan", "presets", "train", "env", "search", "report"}
+    assert (tmp_path / "train" / "model.safetensors").is_file() and (tmp_path / "search" / "best_run.json").is_file()
+    assert (tmp_path / "report" / "trials.csv").is_file()
 
 
 def test_env_reports_versions_and_devices(capsys):

@@ -14,6 +14,7 @@ PUBLIC_API = [
     "hf_scale.data.loading:load_records",
     "hf_scale.data.tokenize:tokenize_records",
     "hf_scale.data.batching:make_collator",
+    "hf_scale.packed_attention:use_packed_sdpa",
     "hf_scale.data.cache:cached_tokenize_records",
     "hf_scale.memory:plan",
     "hf_scale.presets:zero_preset",

@@ -1,8 +1,13 @@
-"""The README's commands and code stay true: its Python compiles and imports, its files and targets exist."""
+"""The README stays true: its Python compiles, its files exist, and every command it shows is run by a test."""
 
+import json
 import re
+import subprocess
 
-from tests.helpers import REPO_ROOT
+import pytest
+
+from hf_scale.config import load_yaml_config
+from tests.helpers import REPO_ROOT, free_port, launch_env, python_bin, run_command
 
 README = (REPO_ROOT / "README.md").read_text()
 
@@ -40,3 +45,155 @@ def test_hf_scale_commands_print_what_the_readme_shows(capsys):
             expected = line.removesuffix("...").rstrip()
             if expected:
                 assert any(out.startswith(expected) for out in printed), (command, line)
+
+
+# Every command the README shows, and the test that runs it (or, for launch lines, runs it here on 2 CPU processes
+# with a shortened config). A command added to the README without an entry here fails
+# test_every_readme_command_is_run_by_a_test, so the README cannot drift from the code.
+RUN_BY = {
+    "make demo": "tests/recipes/test_finetune_llama2.py::"
+    "test_recipe_learns_the_held_out_task_and_saves_a_loadable_model",
+    "make test": ".ci/run",  # CI runs it on a clean clone
+    "make bench": "tests/bench/test_benches.py::test_trainer_overhead_prints_the_ratio",
+    "pip install torch": "Makefile",  # `make install` (run by make demo and make test): torch, then -e ".[dev]"
+    "pip install -e .": "Makefile",
+    "hf auth login": "tests/test_readme.py::test_the_hub_login_command_exists",
+    "python recipes/search_llama2.py": "tests/hpo/test_recipe.py::test_recipe_searches_the_tiny_default",
+    "python bench/data_pipeline.py": "tests/bench/test_benches.py::test_data_pipeline_prints_both_sets",
+    "hf-scale plan": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
+    "hf-scale plan ...": "tests/test_cli.py::test_plan_prints_the_table_and_the_recommendation",
+    "hf-scale plan, presets, train, search, report, env": "tests/test_cli.py::test_every_example_in_the_help_runs",
+    "hf-scale presets list": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
+    "hf-scale presets show zero2": "tests/test_cli.py::test_presets_list_and_show",
+    "hf-scale env": "tests/test_cli.py::test_env_reports_versions_and_devices",
+    "hf-scale report STUDY": "tests/hpo/test_units.py::test_report_command_reads_a_study_file",
+    "accelerate launch": "tests/test_readme.py::test_gpu_launch_lines_run_on_two_cpu_processes",
+    "torchrun --max_restarts 20": "tests/distributed/test_kills_during_saves.py::"
+    "test_zero2_killed_during_saves_again_and_again_ends_with_the_unbroken_weights",
+    "torchrun --max_restarts N --rdzv_backend c10d --rdzv_endpoint HOST:PORT": "tests/test_distributed.py::"
+    "test_restarts_that_would_hang_are_refused_before_the_process_group_starts",
+}
+LAUNCHERS = ("accelerate launch ", "torchrun ", "deepspeed ")
+
+
+def readme_commands() -> list[str]:
+    """Each line of the bash blocks (continuations joined, comments dropped), each `$ ` line, each inline command."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.DOTALL):
+        commands += [line.split("#")[0] for line in block.replace("\\\n", " ").splitlines()]
+    commands += [c.replace("\\\n", " ") for c in re.findall(r"^\$ ((?:.*\\\n)*.*)$", README, re.MULTILINE)]
+    commands += re.findall(r"`((?:make|pip|python|accelerate|torchrun|deepspeed|hf-scale|hf) [^`]+)`", README)
+    return list(dict.fromkeys(" ".join(command.split()) for command in commands if command.strip()))
+
+
+def launch_lines() -> list[str]:
+    return [c for c in readme_commands() if c.startswith(LAUNCHERS) and "--config" in c]
+
+
+def test_every_readme_command_is_run_by_a_test():
+    shown_with_output = [" ".join(c.split()) for c in re.findall(r"^\$ (hf-scale .*)$", README, re.MULTILINE)]
+    run_below = [*launch_lines(), *shown_with_output, recipe_example()]  # by the tests below and the one above
+    missing = [command for command in readme_commands() if command not in RUN_BY and command not in run_below]
+    assert not missing, f"README commands that no test runs (add a test and an entry in RUN_BY): {missing}"
+    for test in set(RUN_BY.values()):
+        path, _, name = test.partition("::")
+        assert (REPO_ROOT / path).is_file(), test
+        if name:
+            assert re.search(rf"^def {name}\(", (REPO_ROOT / path).read_text(), re.MULTILINE), test
+    assert len(launch_lines()) == 5  # 1 node (accelerate, torchrun, deepspeed), 2 nodes, the search
+
+
+def recipe_example() -> str:
+    (command,) = [c for c in readme_commands() if c.startswith("python recipes/finetune_llama2.py")]
+    return command
+
+
+def test_the_recipe_example_with_the_real_chinese_set_is_run():
+    """The `$ python recipes/finetune_llama2.py ...` example: its flags are those of the recipe test on that set."""
+    command = recipe_example()
+    test = (REPO_ROOT / "tests/recipes/test_finetune_llama2.py").read_text()
+    body = test[test.index("def test_recipe_on_real_chinese_alpaca_with_packing") :]
+    flags = re.findall(r"(--\w+) (\S+)", command.removesuffix("..."))
+    for flag, value in flags:
+        expected = 'str(SHARED_DATA / "alpaca_zh_demo.json")' if value.endswith(".json") else f'"{value}"'
+        assert f'"{flag}",\n        {expected},' in body, (flag, value)
+
+
+def test_the_hub_login_command_exists():
+    result = run_command([python_bin("hf"), "auth", "login", "--help"], timeout=60)
+    assert result.returncode == 0, result.stderr[-1000:]
+
+
+def cpu_version(command: str, port: int) -> list[list[str]]:
+    """The launch line on 2 CPU processes (one per node for the two-node line): one command per node."""
+    words = command.split()
+    if words[0] == "torchrun":
+        words[words.index("--nproc_per_node") + 1] = "2"
+        words[1:1] = ["--master_port", str(port)]
+    elif words[0] == "deepspeed":
+        words[words.index("--num_gpus") + 1] = "2"
+        words[1:1] = ["--master_port", str(port)]
+    else:
+        words[2:2] = ["--num_processes", "2", "--main_process_port", str(port)]
+        if "--machine_rank" in words:
+            words[2:2] = ["--main_process_ip", "127.0.0.1"]
+            second = list(words)
+            second[second.index("--machine_rank") + 1] = "1"
+            return [[python_bin(words[0]), *words[1:]], [python_bin(second[0]), *second[1:]]]
+    return [[python_bin(words[0]), *words[1:]]]
+
+
+def shortened(command: str, tiny_model_dir, data_file, output_dir) -> list[str]:
+    """Flags that win over the config: the tiny model and generated data, a few steps, no tensorboard."""
+    config = load_yaml_config(REPO_ROOT / command.split("--config ")[1].split()[0])
+    flags = ["--model_name_or_path", str(tiny_model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir)]
+    flags += ["--max_steps", "4", "--eval_steps", "2", "--report_to", "none", "--disable_tqdm", "true"]
+    if "search_llama2.py" in command:
+        return flags + ["--n_trials", "2", "--effective_batch_min", "8", "--effective_batch_max", "16"]
+    # 2 accumulation steps on 2 processes; a learning rate that shows in 4 steps
+    global_batch = config["per_device_train_batch_size"] * 2 * 2
+    flags += ["--global_batch_size", str(global_batch), "--learning_rate", "1e-3", "--save_steps", "2"]
+    return flags + ["--logging_steps", "1", "--exact_match_samples", "8", "--max_new_tokens", "8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", launch_lines(), ids=lambda c: c.split()[0] + "-" + c.split("--config ")[1])
+def test_gpu_launch_lines_run_on_two_cpu_processes(command, tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from hf_scale.checkpoints import checkpoints, is_complete
+    from hf_scale.tiny import generate_tasks
+
+    data_file = tmp_path / "tasks.jsonl"
+    data_file.write_text("".join(json.dumps(record) + "\n" for record in generate_tasks()[0][:512]))
+    output_dir = tmp_path / "run"
+    flags = shortened(command, tiny_model_dir, data_file, output_dir)
+    nodes = [
+        subprocess.Popen([*node, *flags], cwd=REPO_ROOT, env=launch_env(LOCAL_SIZE="2"), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for node in cpu_version(command, free_port())
+    ]  # fmt: skip
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0] * len(nodes), "\n".join(err[-3000:] for _, err in outputs)
+    stdout = outputs[0][0]
+
+    config = load_yaml_config(REPO_ROOT / command.split("--config ")[1])
+    if "search_llama2.py" in command:
+        best = json.loads((output_dir / "best_run.json").read_text())
+        assert {"learning_rate", "lora_r", "lora_alpha"} <= best["hyperparameters"].keys()  # a LoRA search
+        assert len((output_dir / "hpo-report" / "trials.csv").read_text().splitlines()) == 1 + 2
+        return
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    batch = config["per_device_train_batch_size"]
+    assert metrics["world_size"] == 2 and metrics["effective_batch_size"] == batch * 4
+    assert f"effective batch {batch * 4} = {batch} per device x 2 data-parallel process(es) x 2 accumulation" in stdout
+    assert metrics["eval_after_loss"] < metrics["eval_before_loss"]
+    saved = checkpoints(output_dir)
+    assert [folder.name for folder in saved] == ["checkpoint-2", "checkpoint-4"] and all(map(is_complete, saved))
+    assert (saved[-1] / "global_step4").is_dir()  # DeepSpeed's own checkpoint: the config's ZeRO preset ran
+    model = AutoModelForCausalLM.from_pretrained(output_dir)  # a whole model, also from ZeRO-3
+    assert all(parameter.numel() > 0 for parameter in model.parameters())

@@ -5,7 +5,8 @@ restarting at every example, and transformers' masking builds a block-diagonal m
 and eager paths, so no example attends to another. That mask is only built when the forward has no KV
 cache: with `use_cache=True` (the saved config's default, and what `TrainingArguments(use_cache=True)` puts
 back) the packed examples silently attend to each other. `ScaleTrainer` passes `use_cache=False` for every
-packed batch.
+packed batch, and switches sdpa models to `hf_scale.packed_attention`, which cuts the row at each restart
+instead of masking the whole row.
 """
 
 from __future__ import annotations

@@ -32,9 +32,12 @@ def loss_sum_and_count(model, example):
     return loss, mask.sum()
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    "attention, packed_sdpa, runs_on",
+    [("sdpa", True, "hf_scale_packed_sdpa"), ("sdpa", False, "sdpa"), ("eager", True, "eager")],
+)
 @torch.no_grad()
-def test_packed_loss_is_the_token_weighted_mean_of_the_examples(setup, tmp_path, attention):
+def test_packed_loss_is_the_token_weighted_mean_of_the_examples(setup, tmp_path, attention, packed_sdpa, runs_on):
     tokenizer, examples, model = setup
     model.set_attn_implementation(attention)
     sums, counts = zip(*(loss_sum_and_count(model, example) for example in examples), strict=True)
@@ -43,10 +46,11 @@ def test_packed_loss_is_the_token_weighted_mean_of_the_examples(setup, tmp_path,
     batch = make_collator(tokenizer, packing=True)(examples)
     assert is_packed_batch(batch) and batch["input_ids"].shape[0] == 1
     # use_cache=True: the Trainer copies it into the model config, where it would disable the packed mask
-    args = ScaleTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cache=True)
+    args = ScaleTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cache=True, packed_sdpa=packed_sdpa)
     trainer = ScaleTrainer(model=model, args=args)
     packed = trainer.compute_loss(model, dict(batch))
     assert abs(packed.item() - expected.item()) < 1e-5
+    assert model.config._attn_implementation == runs_on  # sdpa runs each example alone unless told not to
 
 
 @torch.no_grad()

@@ -141,6 +141,9 @@ def main() -> None:
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.output_dir) / f"rank{args.process_index}.json").write_text(json.dumps(report))
     save_file(held_weights(trainer.model), str(Path(args.output_dir) / f"rank{args.process_index}.safetensors"))
+    # The process group ends before the interpreter: a gloo thread still running at exit can abort the process
+    # ("terminate called without an active exception") after a run that went well.
+    trainer.accelerator.end_training()
 
 
 def ascending_after(step: int) -> type[ScaleTrainer]:

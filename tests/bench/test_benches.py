@@ -1,0 +1,27 @@
+"""The benchmarks the README quotes run, in a quick setting, and print their tables (the figures are theirs)."""
+
+import re
+import sys
+
+import pytest
+
+from tests.helpers import SHARED_DATA, run_command
+
+pytestmark = pytest.mark.slow
+
+
+def test_trainer_overhead_prints_the_ratio(tiny_model_dir):
+    result = run_command([sys.executable, "bench/trainer_overhead.py", "--steps", "5", "--rounds", "1"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ratio = re.search(r"ScaleTrainer / Trainer throughput ratio .*: ([0-9.]+)", result.stdout)
+    assert ratio and float(ratio.group(1)) > 0
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
+def test_data_pipeline_prints_both_sets():
+    quick = ["--vocab-size", "2000", "--repeats", "1", "--steps", "3", "--rounds", "1"]
+    result = run_command([sys.executable, "bench/data_pipeline.py", *quick], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith(("| en |", "| zh |"))]
+    assert [row[1] for row in rows] == ["999", "1000"]  # records of each set
+    assert [row[9] for row in rows] == ["0.0%", "0.0%"]  # packing leaves no padding
