@@ -38,6 +38,22 @@ def test_bad_input_is_one_clear_line(capsys):
     assert "unknown preset 'zero9'; known presets: autotp, zero0, zero1, zero2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "hf-scale: error: the following arguments are required: command (see hf-scale --help)"),
+        (["plan", "--gpu"], "hf-scale plan: error: argument --gpu: expected one argument (see hf-scale plan --help)"),
+        (["presets", "shw"], "hf-scale presets: error: argument action: invalid choice: 'shw'"),
+        (["plan", "--model", "x", "--gpu", "a100-80g", "--gpus", "four"], "argument --gpus: invalid int value: 'four'"),
+    ],
+)
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_presets_list_and_show(capsys):
     assert main(["presets", "list"]) == 0
     listed = capsys.readouterr().out
