@@ -57,6 +57,7 @@ RUN_BY = {
     "make bench": "tests/bench/test_benches.py::test_trainer_overhead_prints_the_ratio",
     "pip install torch": "Makefile",  # `make install` (run by make demo and make test): torch, then -e ".[dev]"
     "pip install -e .": "Makefile",
+    "make ops": "Makefile",  # run by `make install`, so by make demo and make test
     "hf auth login": "tests/test_readme.py::test_the_hub_login_command_exists",
     "python recipes/search_llama2.py": "tests/hpo/test_recipe.py::test_recipe_searches_the_tiny_default",
     "python bench/data_pipeline.py": "tests/bench/test_benches.py::test_data_pipeline_prints_both_sets",
