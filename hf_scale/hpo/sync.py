@@ -49,6 +49,28 @@ def gather(value: Any) -> list[Any]:
     return values
 
 
+def gather_ready(number: int, error: str | None, timeout: float) -> list[bool]:
+    """Every rank, once trial `number` is set up (its model built, or `error`): whether each rank is ready to train.
+
+    On the control group, so a rank whose setup raised waits at most `timeout` seconds. The others normally arrive
+    at once, but under ZeRO-3 building the model is itself a collective: they wait inside it for this rank, and
+    never arrive. This rank then raises `TrialEndMissed`, its process ends, and the launcher ends the others.
+    """
+    if not is_distributed():
+        return [error is None]
+    ready: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(ready, error is None, group=_control_group)
+    except RuntimeError as missed:
+        raise TrialEndMissed(
+            f"trial {number} on rank {rank()}: setting it up raised here: {(error or '').splitlines()[0]}, but not "
+            f"every rank finished setting it up (waited at most {timeout:g} s: {str(missed).splitlines()[0]}); they "
+            "wait inside it (under ZeRO-3, building the model is a collective of all ranks). The job ends here; "
+            "starting the search again goes on with the study."
+        ) from None
+    return ready
+
+
 def start_control_group(timeout: float) -> None:
     """Every rank, before the first trial: the group on which trials end (a collective: all ranks call it).
 

@@ -137,15 +137,20 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
     state, error = COMPLETE, None
     model_init = trainer.model_init
     try:
+        setup_error: Exception | None = None
         try:
             lora_updates = configure_trial(trainer, search, plan)
             built = time.perf_counter()
             trainer.model = trainer.model_wrapped = build_model(trainer, search, plan, lora_updates)
             model_seconds = time.perf_counter() - built
-        finally:
-            # Every rank says whether it is ready before any trains: a rank whose setup failed must not leave the
-            # others waiting in the first collective of training (DDP's broadcast of the weights) forever.
-            ready = sync.gather(trainer.model is not None)
+        except Exception as exception:
+            setup_error = exception
+        # Every rank says whether it is ready before any trains: a rank whose setup failed must not leave the
+        # others waiting in the first collective of training (DDP's broadcast of the weights) forever.
+        error = None if setup_error is None else f"{type(setup_error).__name__}: {setup_error}"
+        ready = sync.gather_ready(plan.number, error, search.settings.trial_end_timeout)
+        if setup_error is not None:
+            raise setup_error
         if not all(ready):
             raise TrialFailedElsewhere(f"rank {ready.index(False)} could not set the trial up")
         if trainer.place_model_on_device:
@@ -165,6 +170,8 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
             # The best evaluation came when no checkpoint is written (evaluated only at the end, or not at a save
             # step): the model as it ended is that evaluation's model.
             trainer.save_model(str(Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{callback.best.step}"))
+    except sync.TrialEndMissed:
+        raise  # the other ranks are stuck: this process ends
     except HfScaleError as exception:  # a wrong setting: the next trial would fail the same way
         state, error = ABORTED, f"{type(exception).__name__}: {exception}"
     except Exception as exception:

@@ -38,7 +38,7 @@ def options() -> argparse.Namespace:
     parser.add_argument("--fail_rank", type=int, default=-1, help="... on this rank only (default: every rank)")
     parser.add_argument("--trial_end_timeout", type=float, default=300)
     parser.add_argument("--fail_init_trial", type=int, default=-1, help="model_init raises for this trial ...")
-    parser.add_argument("--fail_init_rank", type=int, default=-1, help="... on this rank only")
+    parser.add_argument("--fail_init_rank", type=int, default=-1, help="... on this rank only (default: every rank)")
     parser.add_argument("--sleep_trial", type=int, default=-1, help="this trial sleeps 600 s at its 2nd step")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--zero_preset", default=None)
@@ -119,8 +119,9 @@ def main() -> None:
 
     def model_init(trial=None):
         model_inits.append(time.time())
-        if trial is not None and trial.number == opts.fail_init_trial and args.process_index == opts.fail_init_rank:
-            raise RuntimeError(f"model_init breaks on rank {args.process_index} only")
+        breaks_here = opts.fail_init_rank in (-1, args.process_index)
+        if trial is not None and trial.number == opts.fail_init_trial and breaks_here:
+            raise RuntimeError(f"model_init breaks on rank {args.process_index}{' only' * (opts.fail_init_rank >= 0)}")
         model = AutoModelForCausalLM.from_pretrained(path)
         if opts.lora:
             from peft import LoraConfig, get_peft_model
