@@ -73,7 +73,9 @@ class SearchArguments:
             "help": "Seconds a process whose trial raised waits for the others to end that trial too. A rank that "
             "raised alone leaves the others waiting in a collective of the training step: after this wait the "
             "job ends with a message naming the trial and rank (the study keeps the trial as failed) instead of "
-            "hanging until the process group's timeout."
+            "hanging until the process group's timeout. Under ZeRO-3, also how long ranks wait for each other to "
+            "build a trial's model (there building it is a collective); elsewhere that wait is the process group's "
+            "own (`ddp_timeout`), since one rank may take far longer than the others to load the model."
         },
     )
     retrain_best: bool = field(

@@ -49,26 +49,33 @@ def gather(value: Any) -> list[Any]:
     return values
 
 
-def gather_ready(number: int, error: str | None, timeout: float) -> list[bool]:
+def gather_ready(number: int, error: str | None, timeout: float, building_is_collective: bool) -> list[bool]:
     """Every rank, once trial `number` is set up (its model built, or `error`): whether each rank is ready to train.
 
-    On the control group, so a rank whose setup raised waits at most `timeout` seconds. The others normally arrive
-    at once, but under ZeRO-3 building the model is itself a collective: they wait inside it for this rank, and
-    never arrive. This rank then raises `TrialEndMissed`, its process ends, and the launcher ends the others.
+    Where building the model is itself a collective (ZeRO-3), a rank whose setup raised would wait forever: the
+    others wait inside the build for it and never arrive. There the exchange runs on the control group, which gives
+    up after `timeout` seconds; this rank then raises `TrialEndMissed`, its process ends, and the launcher ends the
+    others. Elsewhere each rank builds its own model, and one may take much longer (a 70B model from a slow disk):
+    the exchange runs on the training's group and waits as long as its first collective would have (`ddp_timeout`).
     """
     if not is_distributed():
         return [error is None]
     ready: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(ready, error is None, group=_control_group)
+        dist.all_gather_object(ready, error is None, group=_control_group if building_is_collective else None)
     except RuntimeError as missed:
-        raise TrialEndMissed(
-            f"trial {number} on rank {rank()}: setting it up raised here: {(error or '').splitlines()[0]}, but not "
-            f"every rank finished setting it up (waited at most {timeout:g} s: {str(missed).splitlines()[0]}); they "
-            "wait inside it (under ZeRO-3, building the model is a collective of all ranks). The job ends here; "
-            "starting the search again goes on with the study."
-        ) from None
+        raise TrialEndMissed(setup_missed_message(number, error, timeout, missed)) from None
     return ready
+
+
+def setup_missed_message(number: int, error: str | None, timeout: float, missed: Exception) -> str:
+    """Why the job ends when the ranks did not all finish setting trial `number` up within `timeout` seconds."""
+    here = f"setting it up raised here: {error.splitlines()[0]}" if error else "it is set up here"
+    return (
+        f"trial {number} on rank {rank()}: {here}, but not every rank finished setting it up (waited at most "
+        f"{timeout:g} s: {str(missed).splitlines()[0]}); they wait inside it (under ZeRO-3, building the model is a "
+        "collective of all ranks). The job ends here; starting the search again goes on with the study."
+    )
 
 
 def start_control_group(timeout: float) -> None:

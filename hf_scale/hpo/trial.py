@@ -148,7 +148,7 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
         # Every rank says whether it is ready before any trains: a rank whose setup failed must not leave the
         # others waiting in the first collective of training (DDP's broadcast of the weights) forever.
         error = None if setup_error is None else f"{type(setup_error).__name__}: {setup_error}"
-        ready = sync.gather_ready(plan.number, error, search.settings.trial_end_timeout)
+        ready = sync.gather_ready(plan.number, error, search.settings.trial_end_timeout, zero3_enabled())
         if setup_error is not None:
             raise setup_error
         if not all(ready):

@@ -39,6 +39,8 @@ def options() -> argparse.Namespace:
     parser.add_argument("--trial_end_timeout", type=float, default=300)
     parser.add_argument("--fail_init_trial", type=int, default=-1, help="model_init raises for this trial ...")
     parser.add_argument("--fail_init_rank", type=int, default=-1, help="... on this rank only (default: every rank)")
+    parser.add_argument("--slow_init_rank", type=int, default=-1, help="model_init sleeps on this rank ...")
+    parser.add_argument("--slow_init_seconds", type=float, default=0, help="... this long, in trial 0")
     parser.add_argument("--sleep_trial", type=int, default=-1, help="this trial sleeps 600 s at its 2nd step")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--zero_preset", default=None)
@@ -122,6 +124,8 @@ def main() -> None:
         breaks_here = opts.fail_init_rank in (-1, args.process_index)
         if trial is not None and trial.number == opts.fail_init_trial and breaks_here:
             raise RuntimeError(f"model_init breaks on rank {args.process_index}{' only' * (opts.fail_init_rank >= 0)}")
+        if trial is not None and trial.number == 0 and opts.slow_init_rank == args.process_index:
+            time.sleep(opts.slow_init_seconds)  # a slow disk on one node
         model = AutoModelForCausalLM.from_pretrained(path)
         if opts.lora:
             from peft import LoraConfig, get_peft_model

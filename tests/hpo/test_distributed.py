@@ -72,6 +72,14 @@ def test_a_trial_that_raises_on_one_rank_ends_the_job_instead_of_hanging(tmp_pat
     assert states[0] == "COMPLETE" and states[1] in ("FAIL", "RUNNING") and 2 not in states
 
 
+def test_a_rank_slow_to_build_its_model_is_waited_for_longer_than_trial_end_timeout(tmp_path, tiny_model_dir):
+    # DDP: each rank builds its own model. Rank 1 takes 12 s longer, past the 3 s trial_end_timeout.
+    flags = ["--lrs", "5e-3", "--n_trials", "1", "--max_steps", "4", "--eval_steps", "2", "--trial_end_timeout", "3"]
+    rank0, rank1 = run_search(tmp_path, *flags, "--slow_init_rank", "1", "--slow_init_seconds", "12", processes=2)
+    assert [o["state"] for o in rank0["outcomes"]] == [o["state"] for o in rank1["outcomes"]] == ["complete"]
+    assert rank0["outcomes"][0]["seconds"] > 12  # rank 0 waited for rank 1 at the ready exchange
+
+
 def test_zero3_model_init_raising_on_one_rank_ends_the_job_instead_of_hanging(tmp_path, tiny_model_dir):
     # Under ZeRO-3 rank 0 builds the model inside a collective that waits for rank 1, whose model_init raised.
     flags = ["--lrs", "5e-3", "--n_trials", "2", "--fail_init_trial", "0", "--fail_init_rank", "1"]

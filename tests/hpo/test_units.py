@@ -17,6 +17,7 @@ from hf_scale.hpo.report import load_study, trials_table, write_report
 from hf_scale.hpo.search import split_kwargs
 from hf_scale.hpo.space import accumulation_steps, default_hp_space, effective_batch_choices, split_hyperparameters
 from hf_scale.hpo.storage import JournalHeartbeat, mask_url, open_storage
+from hf_scale.hpo.sync import setup_missed_message
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -200,3 +201,12 @@ def test_journal_heartbeat_fails_and_requeues_a_dead_workers_trial(tmp_path):
     states = [t.state for t in study.get_trials(deepcopy=False)]
     assert states == [TrialState.FAIL, TrialState.WAITING]
     assert study.trials[1].params == study.trials[0].params
+
+
+def test_setup_missed_message_says_whether_this_rank_was_set_up():
+    missed = RuntimeError("Application timeout caused pair closure\nmore")
+    ready_here = setup_missed_message(4, None, 10, missed)
+    assert ready_here.startswith("trial 4 on rank 0: it is set up here, but not every rank finished setting it up")
+    assert "waited at most 10 s: Application timeout caused pair closure)" in ready_here
+    raised_here = setup_missed_message(4, "RuntimeError: no disk\ntraceback", 10, missed)
+    assert raised_here.startswith("trial 4 on rank 0: setting it up raised here: RuntimeError: no disk, but not")
