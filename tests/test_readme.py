@@ -61,6 +61,7 @@ RUN_BY = {
     "hf auth login": "tests/test_readme.py::test_the_hub_login_command_exists",
     "python recipes/search_llama2.py": "tests/hpo/test_recipe.py::test_recipe_searches_the_tiny_default",
     "python bench/data_pipeline.py": "tests/bench/test_benches.py::test_data_pipeline_prints_both_sets",
+    "python bench/hpo.py": "tests/bench/test_benches.py::test_hpo_prints_both_backends_and_the_speed_ups",
     "hf-scale plan": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
     "hf-scale plan ...": "tests/test_cli.py::test_plan_prints_the_table_and_the_recommendation",
     "hf-scale plan, presets, train, search, report, env": "tests/test_cli.py::test_every_example_in_the_help_runs",

@@ -25,3 +25,13 @@ def test_data_pipeline_prints_both_sets():
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith(("| en |", "| zh |"))]
     assert [row[1] for row in rows] == ["999", "1000"]  # records of each set
     assert [row[9] for row in rows] == ["0.0%", "0.0%"]  # packing leaves no padding
+
+
+def test_hpo_prints_both_backends_and_the_speed_ups(tiny_model_dir):
+    quick = ["--only", "single", "--seeds", "7", "--trials", "2", "--steps", "8", "--eval_steps", "4"]
+    result = run_command([sys.executable, "bench/hpo.py", *quick], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("1     7")]
+    assert [row[2] for row in rows] == ["stock", "hf_scale"]
+    assert rows[0][5] == rows[1][5]  # the same training and trials on both sides: the same best eval loss
+    assert re.search(r"median speed-up to the target [0-9.]+x, over the whole trial budget [0-9.]+x", result.stdout)
