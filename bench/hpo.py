@@ -237,7 +237,7 @@ def main() -> None:
             reached = {backend: time_to_target(run["events"], best * TARGET) for backend, run in runs.items()}
             for backend, run in runs.items():
                 best_loss = min(loss for _, loss in run["events"])
-                rows.append((processes, seed, backend, reached[backend], run["total"], best_loss, reached["stock"]))
+                rows.append((processes, seed, backend, reached[backend], run["total"], best_loss))
             print(f"{processes} process(es), seed {seed}: target eval loss {best * TARGET:.4f}", flush=True)
     if rows:
         print(
@@ -246,9 +246,9 @@ def main() -> None:
         )
         speedups: dict[int, list[float]] = {}
         budget_speedups: dict[int, list[float]] = {}
-        for processes, seed, backend, reached, total, best_loss, stock_reached in rows:
+        for processes, seed, backend, reached, total, best_loss in rows:
             speedup = "-"
-            stock_budget = next(r[4] for r in rows if r[:3] == (processes, seed, "stock"))
+            _, _, _, stock_reached, stock_budget, _ = next(r for r in rows if r[:3] == (processes, seed, "stock"))
             if backend == "hf_scale":
                 budget_speedups.setdefault(processes, []).append(stock_budget / total)
             if backend == "hf_scale" and reached is not None:

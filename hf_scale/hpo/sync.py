@@ -40,12 +40,12 @@ def broadcast(value: Any) -> Any:
     return box[0]
 
 
-def gather(value: Any) -> list[Any]:
-    """Every rank's `value`, in rank order, on every rank."""
+def gather(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank (over `group`, the training's by default)."""
     if not is_distributed():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=group)
     return values
 
 
@@ -56,25 +56,29 @@ def gather_ready(number: int, error: str | None, timeout: float, building_is_col
     others wait inside the build for it and never arrive. There the exchange runs on the control group, which gives
     up after `timeout` seconds; this rank then raises `TrialEndMissed`, its process ends, and the launcher ends the
     others. Elsewhere each rank builds its own model, and one may take much longer (a 70B model from a slow disk):
-    the exchange runs on the training's group and waits as long as its first collective would have (`ddp_timeout`).
+    the exchange runs on the training's group and waits as long as its first collective would have (`timeout` is
+    then `ddp_timeout`, that group's own).
     """
-    if not is_distributed():
-        return [error is None]
-    ready: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(ready, error is None, group=_control_group if building_is_collective else None)
+        return gather(error is None, group=_control_group if building_is_collective else None)
     except RuntimeError as missed:
-        raise TrialEndMissed(setup_missed_message(number, error, timeout, missed)) from None
-    return ready
+        raise TrialEndMissed(setup_missed_message(number, error, timeout, missed, building_is_collective)) from None
 
 
-def setup_missed_message(number: int, error: str | None, timeout: float, missed: Exception) -> str:
+def setup_missed_message(
+    number: int, error: str | None, timeout: float, missed: Exception, building_is_collective: bool
+) -> str:
     """Why the job ends when the ranks did not all finish setting trial `number` up within `timeout` seconds."""
     here = f"setting it up raised here: {error.splitlines()[0]}" if error else "it is set up here"
+    where = (
+        "they wait inside it (under ZeRO-3, building the model is a collective of all ranks)"
+        if building_is_collective
+        else "a rank is still building its model, or has stopped"
+    )
     return (
         f"trial {number} on rank {rank()}: {here}, but not every rank finished setting it up (waited at most "
-        f"{timeout:g} s: {str(missed).splitlines()[0]}); they wait inside it (under ZeRO-3, building the model is a "
-        "collective of all ranks). The job ends here; starting the search again goes on with the study."
+        f"{timeout:g} s: {str(missed).splitlines()[0]}); {where}. The job ends here; starting the search again goes "
+        "on with the study."
     )
 
 

@@ -148,7 +148,9 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
         # Every rank says whether it is ready before any trains: a rank whose setup failed must not leave the
         # others waiting in the first collective of training (DDP's broadcast of the weights) forever.
         error = None if setup_error is None else f"{type(setup_error).__name__}: {setup_error}"
-        ready = sync.gather_ready(plan.number, error, search.settings.trial_end_timeout, zero3_enabled())
+        building_is_collective = zero3_enabled()
+        timeout = search.settings.trial_end_timeout if building_is_collective else trainer.args.ddp_timeout
+        ready = sync.gather_ready(plan.number, error, timeout, building_is_collective)
         if setup_error is not None:
             raise setup_error
         if not all(ready):

@@ -203,10 +203,15 @@ def test_journal_heartbeat_fails_and_requeues_a_dead_workers_trial(tmp_path):
     assert study.trials[1].params == study.trials[0].params
 
 
-def test_setup_missed_message_says_whether_this_rank_was_set_up():
+def test_setup_missed_message_says_whether_this_rank_was_set_up_and_why_the_others_are_late():
     missed = RuntimeError("Application timeout caused pair closure\nmore")
-    ready_here = setup_missed_message(4, None, 10, missed)
+    ready_here = setup_missed_message(4, None, 10, missed, building_is_collective=True)
     assert ready_here.startswith("trial 4 on rank 0: it is set up here, but not every rank finished setting it up")
-    assert "waited at most 10 s: Application timeout caused pair closure)" in ready_here
-    raised_here = setup_missed_message(4, "RuntimeError: no disk\ntraceback", 10, missed)
+    assert (
+        "waited at most 10 s: Application timeout caused pair closure); they wait inside it (under ZeRO-3" in ready_here
+    )
+    raised_here = setup_missed_message(
+        4, "RuntimeError: no disk\ntraceback", 1800, missed, building_is_collective=False
+    )
     assert raised_here.startswith("trial 4 on rank 0: setting it up raised here: RuntimeError: no disk, but not")
+    assert "waited at most 1800 s: Application timeout caused pair closure); a rank is still building" in raised_here
