@@ -3,16 +3,20 @@
 No `from __future__ import annotations` here: `HfArgumentParser` reads the field types at run time.
 """
 
+import json
 import os
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
+from transformers import SchedulerType, TrainingArguments
+from transformers.integrations import get_available_reporting_integrations
 
 from hf_scale.checkpoints import last_complete_checkpoint
 from hf_scale.distributed import check_elastic_restarts, has_accelerator, launched_world_size
 from hf_scale.errors import ConfigError
 from hf_scale.output_dir import check_output_dir
 from hf_scale.presets.consistency import check_against_arguments, load_deepspeed_config
+
+RESUME_MODES = ("false", "true", "auto")
 
 
 @dataclass
@@ -45,9 +49,17 @@ class ScaleTrainingArguments(TrainingArguments):
             "empty to set `deepspeed` yourself or to train without DeepSpeed."
         },
     )
-    resume: bool = field(
-        default=False,
-        metadata={"help": "Resume from the newest checkpoint in output_dir; an error if there is none."},
+    resume: str = field(
+        default="false",
+        metadata={
+            "help": "Go on from the newest complete checkpoint in output_dir: 'true' (or the bare flag) needs one "
+            "and stops before any work when there is none; 'auto' resumes when there is one and starts from the "
+            "first step when there is none, so that a requeue script can pass it on every launch; 'false' starts "
+            "from the first step. A run whose checkpoint is already at max_steps trains no further.",
+            "choices": RESUME_MODES,
+            "nargs": "?",
+            "const": "true",
+        },
     )
     plan_model: str | None = field(
         default=None,
@@ -71,7 +83,7 @@ class ScaleTrainingArguments(TrainingArguments):
         default="cosine",
         metadata={
             "help": "Learning rate schedule after warmup (HF SchedulerType). hf_scale's default is cosine; "
-            "set min_learning_rate for a cosine that ends at a floor."
+            "set min_learning_rate for a cosine that ends at a floor (other schedules have none)."
         },
     )
     warmup_steps: float = field(
@@ -83,7 +95,10 @@ class ScaleTrainingArguments(TrainingArguments):
     )
     min_learning_rate: float | None = field(
         default=None,
-        metadata={"help": "Floor of the cosine schedule (sets lr_scheduler_type=cosine_with_min_lr)."},
+        metadata={
+            "help": "Floor of the cosine schedule (sets lr_scheduler_type=cosine_with_min_lr); an error with any "
+            "other schedule. In a search, the default space then keeps the schedule at cosine."
+        },
     )
     early_stopping_patience: int | None = field(
         default=None,
@@ -107,14 +122,16 @@ class ScaleTrainingArguments(TrainingArguments):
     divergence_action: str = field(
         default="stop",
         metadata={
-            "help": "On a NaN/Inf loss (or a spike, see divergence_spike_factor): 'stop' saves a checkpoint and "
-            "stops with a message naming the step and learning rate; 'skip' drops that micro-batch's gradient, "
+            "help": "On a NaN/Inf loss of an optimizer step (its per-token loss over all its micro-batches, as "
+            "logged; or a spike, see divergence_spike_factor): 'stop' saves the state before that step under "
+            "output_dir/diverged-step-N and stops with a message naming the step and learning rate; 'skip' leaves "
+            "the weights as they were before that step (not with DeepSpeed, whose engine steps inside the backward), "
             "counts it and trains on; 'off' trains on as the stock Trainer does."
         },
     )
     divergence_spike_factor: float | None = field(
         default=None,
-        metadata={"help": "Also treat a loss above this factor x its running mean as divergence (e.g. 5)."},
+        metadata={"help": "Also treat a step's loss above this factor x its running mean as divergence (e.g. 5)."},
     )
     packed_sdpa: bool = field(
         default=True,
@@ -141,13 +158,15 @@ class ScaleTrainingArguments(TrainingArguments):
             if self.auto_cpu_ddp and world_size > 1:
                 self.use_cpu = True
         if self.zero_preset:
-            if self.deepspeed:
-                raise ConfigError("zero_preset and deepspeed are both set: give one DeepSpeed config, not two")
             from hf_scale.presets import zero_preset
 
             if self.zero_preset == "auto":
                 self.zero_preset = self._planned_preset(world_size)
-            self.deepspeed = zero_preset(self.zero_preset) if self.zero_preset != "ddp" else None
+            preset = zero_preset(self.zero_preset) if self.zero_preset != "ddp" else None
+            # The preset's own config is what built arguments hold: rebuilding them (dataclasses.replace) is no clash.
+            if self.deepspeed and load_deepspeed_config(self.deepspeed) != preset:
+                raise ConfigError("zero_preset and deepspeed are both set: give one DeepSpeed config, not two")
+            self.deepspeed = preset
         if self.deepspeed:
             self.deepspeed = load_deepspeed_config(self.deepspeed)
             if world_size % self.tensor_parallel_size:
@@ -161,10 +180,15 @@ class ScaleTrainingArguments(TrainingArguments):
             )
         if self.deepspeed:
             check_against_arguments(self.deepspeed, self, world_size)
-        if self.resume:
+        if isinstance(self.resume, bool):  # resume=True from Python is the strict mode
+            self.resume = str(self.resume).lower()
+        if self.resume not in RESUME_MODES:
+            raise ConfigError(f"resume: {self.resume!r} is not one of {', '.join(RESUME_MODES)}")
+        if self.resume == "true":
             check_resumable(self.output_dir)
         self._set_schedule_and_early_stopping()
         super().__post_init__()
+        check_reporting_integrations(self.report_to)
         check_output_dir(self.output_dir)  # a run that could never save stops before any work
         if self.deepspeed and self.use_cpu and world_size > 1:
             _start_deepspeed_comm(self)
@@ -188,14 +212,31 @@ class ScaleTrainingArguments(TrainingArguments):
     def _set_schedule_and_early_stopping(self) -> None:
         if self.divergence_action not in ("stop", "skip", "off"):
             raise ConfigError(f"divergence_action: {self.divergence_action!r} is not one of stop, skip, off")
+        if self.divergence_action == "skip" and self.deepspeed:
+            raise ConfigError(
+                "divergence_action: 'skip' does not work with DeepSpeed (its engine steps inside the backward, "
+                "before a step can be dropped); use 'stop' (DeepSpeed itself skips a step whose gradients are NaN/Inf)"
+            )
         if self.min_learning_rate is not None:
             if not 0 <= self.min_learning_rate < self.learning_rate:
                 raise ConfigError(
                     f"min_learning_rate={self.min_learning_rate} must be at least 0 and below "
                     f"learning_rate={self.learning_rate}"
                 )
+            schedule = SchedulerType(self.lr_scheduler_type).value
+            if schedule not in ("cosine", "cosine_with_min_lr"):
+                raise ConfigError(
+                    f"min_learning_rate is the floor of the cosine schedule; lr_scheduler_type={schedule!r} has none: "
+                    "set lr_scheduler_type to cosine, or leave min_learning_rate out"
+                )
+            kwargs = self.lr_scheduler_kwargs or {}
+            kwargs = json.loads(kwargs) if isinstance(kwargs, str) else dict(kwargs)  # a flag gives JSON text
+            if "min_lr" in kwargs:
+                raise ConfigError("min_learning_rate and lr_scheduler_kwargs.min_lr are both set: give the floor once")
             self.lr_scheduler_type = "cosine_with_min_lr"
-            self.lr_scheduler_kwargs = {"min_lr": self.min_learning_rate}
+            # As a ratio of learning_rate: the floor given as min_lr is divided by `optimizer.defaults`, which
+            # DeepSpeed's ZeRO optimizers do not have (every ZeRO run with a floor failed at its start).
+            self.lr_scheduler_kwargs = {**kwargs, "min_lr_rate": self.min_learning_rate / self.learning_rate}
         if self.early_stopping_patience is not None:
             if self.early_stopping_patience < 1:
                 raise ConfigError(f"early_stopping_patience={self.early_stopping_patience} must be at least 1")
@@ -219,6 +260,17 @@ def accumulation_for_global_batch(global_batch_size: int, per_device_batch_size:
             f"{per_device_batch_size} x {world_size} = {per_step}"
         )
     return global_batch_size // per_step
+
+
+def check_reporting_integrations(report_to: list[str]) -> None:
+    """Every `report_to` integration must be installed: the Trainer says so only once the model is loaded."""
+    missing = [name for name in report_to if name not in ("none", "all", *get_available_reporting_integrations())]
+    if missing:
+        packages = " ".join(name.replace("_", "-") for name in missing)
+        raise ConfigError(
+            f"report_to: {', '.join(map(repr, missing))} is not installed (pip install {packages}); "
+            "or report to another integration, or to none"
+        )
 
 
 def check_resumable(output_dir: str | None) -> None:

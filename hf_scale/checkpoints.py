@@ -13,6 +13,9 @@ import re
 import shutil
 from pathlib import Path
 
+from transformers import TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+
 COMPLETE_MARKER = "hf_scale_checkpoint_complete"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -59,3 +62,23 @@ def remove_incomplete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     for path in torn:
         shutil.rmtree(path, ignore_errors=True)
     return torn
+
+
+def finished_step(checkpoint: str | os.PathLike, args: TrainingArguments) -> int | None:
+    """The checkpoint's global step when it is already at the end of the run `args` describe, else None.
+
+    The end is `args.max_steps`, or for a run by epochs the step count the checkpoint's own run was heading for
+    (when the number of epochs is unchanged). The stock Trainer, resumed from such a checkpoint, trains one more
+    step and saves it: each relaunch of a finished run changed its model.
+    """
+    state_file = Path(checkpoint) / TRAINER_STATE_NAME
+    if not state_file.is_file():
+        return None
+    state = TrainerState.load_from_json(str(state_file))
+    if args.max_steps > 0:
+        end = args.max_steps
+    elif state.num_train_epochs == args.num_train_epochs:
+        end = state.max_steps
+    else:
+        return None
+    return state.global_step if state.global_step >= end else None

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from transformers import EarlyStoppingCallback, Trainer
-from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.integrations import TensorBoardCallback, is_deepspeed_zero3_enabled
+from transformers.integrations.integration_utils import default_logdir
+from transformers.trainer import logger as trainer_logger
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, BestRun, rotate_checkpoints
 
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.callbacks import DivergenceGuard, ThroughputCallback, TrainingDiverged
-from hf_scale.checkpoints import COMPLETE_MARKER, last_complete_checkpoint, mark_complete, remove_incomplete_checkpoints
+from hf_scale.checkpoints import (
+    COMPLETE_MARKER,
+    finished_step,
+    last_complete_checkpoint,
+    mark_complete,
+    remove_incomplete_checkpoints,
+)
 from hf_scale.data.batching import is_packed_batch
 from hf_scale.distributed import check_model_is_wrapped, check_process_group
 from hf_scale.errors import ConfigError
@@ -54,6 +65,11 @@ class ScaleTrainer(Trainer):
             )
         super().__init__(model=model, args=args or ScaleTrainingArguments(), **kwargs)
         check_process_group(self.args.world_size, self.accelerator.distributed_type.value)
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+                # It opens its writer at the first log, before train() tells it output_dir when an evaluation
+                # comes first: the whole run's logs went to the working directory's runs/.
+                callback.logging_dir = os.path.join(self.args.output_dir, default_logdir())
         self._wrapping_checked = False
         if self.args.early_stopping_patience is not None:
             self.add_callback(
@@ -63,27 +79,68 @@ class ScaleTrainer(Trainer):
         if self.throughput is not None:
             self.add_callback(self.throughput)
         self.divergence_guard = DivergenceGuard(self.args.divergence_spike_factor)
+        self._step_loss: torch.Tensor | None = None  # the running optimizer step's loss so far, on the device
         self.generation_eval = generation_eval
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
-        if resume_from_checkpoint is None and self.args.resume:
+        if resume_from_checkpoint is None and self.args.resume != "false":
             resume_from_checkpoint = True
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = self._last_complete_checkpoint()
-        if self.is_world_process_zero():
-            print(describe_batch(self.args), flush=True)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            resume_from_checkpoint = self._last_complete_checkpoint(required=self.args.resume != "auto")
+        self._step_loss = None  # nothing left over from a step that an exception interrupted
+        say = print if self.is_world_process_zero() else (lambda *_, **__: None)
+        say(describe_batch(self.args), flush=True)
+        finished = finished_step(resume_from_checkpoint, self.args) if resume_from_checkpoint else None
+        if finished is None:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        say(
+            f"hf_scale: {self.args.output_dir} already finished: {Path(resume_from_checkpoint).name} is at step "
+            f"{finished} of max_steps {self.args.max_steps if self.args.max_steps > 0 else finished}; nothing left "
+            "to train (its weights are loaded, and the best ones when load_best_model_at_end)"
+        )
+        # The Trainer's own resume, over no batches: it loads the model, optimizer and state (and at the end the best
+        # model) exactly as for a run with steps left, and takes no step.
+        self._nothing_to_train, max_steps, self.args.max_steps = True, self.args.max_steps, finished
+        quiet = NoEmptyEpochWarning()  # that warning is what "no batches" means here
+        trainer_logger.addFilter(quiet)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self._nothing_to_train, self.args.max_steps = False, max_steps
+            trainer_logger.removeFilter(quiet)
 
-    def _last_complete_checkpoint(self) -> str:
-        """The newest checkpoint whose save finished; newer torn ones (a save that was killed) are removed."""
+    def get_train_dataloader(self) -> DataLoader:
+        if getattr(self, "_nothing_to_train", False):
+            return DataLoader([])
+        return super().get_train_dataloader()
+
+    def _last_complete_checkpoint(self, required: bool = True) -> str | None:
+        """The newest checkpoint whose save finished; newer torn ones (a save that was killed) are removed.
+
+        When there is none: a `ConfigError` if `required`, else None (resume=auto starts from the first step)."""
         last = last_complete_checkpoint(self.args.output_dir)
-        if last is None:
+        if last is None and required:
             raise ConfigError(f"resume: no complete checkpoint-* folder in output_dir {self.args.output_dir!r}")
         if self.is_world_process_zero():
             for torn in remove_incomplete_checkpoints(self.args.output_dir):
                 print(f"hf_scale: removed {torn}: its save was interrupted (no {COMPLETE_MARKER} file)")
+            if last is None:
+                print(f"hf_scale: resume=auto: no complete checkpoint in {self.args.output_dir}; starting at step 0")
+            else:
+                print(f"hf_scale: resuming from {last}")
         self.accelerator.wait_for_everyone()
-        return str(last)
+        return None if last is None else str(last)
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """The Trainer's warnings after loading a checkpoint, less the tied weights that saving leaves out.
+
+        transformers 5.24 reports a tied `lm_head.weight` as "missing keys in the checkpoint" on every resume,
+        although `save_pretrained` drops it on purpose and loading ties it again."""
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        tied = set(getattr(base, "all_tied_weights_keys", None) or {})
+        missing = [key for key in load_result.missing_keys if key.split("base_model.model.")[-1] not in tied]
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, marked complete once every process has written it, then older ones rotated."""
@@ -107,7 +164,11 @@ class ScaleTrainer(Trainer):
         self.accelerator.wait_for_everyone()
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        not_yet_wrapped = self.model_wrapped is self.model
+        # The stock evaluation_loop prepares the model itself only when nothing is prepared yet (before train()).
+        # Only that preparation is undone afterwards: undoing the training's own would make every later evaluation
+        # prepare again, and in one process with bf16 each preparation wraps `forward` once more (RecursionError
+        # after a few hundred evaluations).
+        prepared_here = not self.accelerator._models and self.model_wrapped is self.model
         zero12_before_train = self.is_deepspeed_enabled and self.deepspeed is None and not is_deepspeed_zero3_enabled()
         if zero12_before_train:
             # The stock Trainer refuses ZeRO-1/2 evaluation before train() ("ZeRO inference only makes sense with
@@ -117,7 +178,7 @@ class ScaleTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
         finally:
             self.is_deepspeed_enabled = self.is_deepspeed_enabled or zero12_before_train
-            if not_yet_wrapped:
+            if prepared_here:
                 self._forget_evaluation_preparation()
 
     def evaluation_loop(
@@ -157,6 +218,7 @@ class ScaleTrainer(Trainer):
         evaluation_wrapper = self.model_wrapped
         if getattr(self.model, "_is_accelerate_prepared", False):
             del self.model._is_accelerate_prepared
+        self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)  # the autocast wrapper of `forward`, if any
         self.accelerator._models = [
             model for model in self.accelerator._models if model is not self.model and model is not evaluation_wrapper
         ]
@@ -176,44 +238,71 @@ class ScaleTrainer(Trainer):
         if not model.training or self.args.divergence_action == "off":
             return result
         loss = result[0] if isinstance(result, tuple) else result
-        if self._diverged(loss):
-            # This micro-batch adds nothing to the gradients; every parameter still takes part in the backward,
-            # as DDP and ZeRO expect.
+        self._add_to_step_loss(loss, kwargs.get("num_items_in_batch"))
+        if self.accelerator.sync_gradients and self._step_diverged():  # the step's last micro-batch
+            # Nothing of this step reaches the weights: the earlier micro-batches' gradients are dropped, this one
+            # adds zeros (every parameter still takes part in the backward, as DDP expects), and the learning rate
+            # of this one optimizer step is 0, so that AdamW's momentum and weight decay move nothing either.
+            model.zero_grad(set_to_none=False)
+            for group in self.optimizer.param_groups:
+                group["lr"] = 0.0  # the scheduler sets the next step's rate as usual
             zero = sum((p * 0).sum() for p in model.parameters() if p.requires_grad)
             return (zero, *result[1:]) if isinstance(result, tuple) else zero
         return result
 
-    def _diverged(self, loss: torch.Tensor) -> bool:
-        """Whether this micro-batch's loss is bad on any process: stop (after a checkpoint) or report a skip."""
-        # One all-reduce of two numbers: the mean loss and whether any process saw a NaN/Inf.
-        value = loss.detach().float().reshape(())
-        finite = torch.isfinite(value)
-        summary = torch.stack([torch.where(finite, value, torch.zeros_like(value)), (~finite).float()])
+    def _add_to_step_loss(self, loss: torch.Tensor, num_items_in_batch: Any) -> None:
+        """Add a micro-batch's share of its step's per-token loss, on its device (no host sync)."""
+        scaled_for_accumulation = (
+            self.loss_is_scaled_for_ga
+            if self.loss_is_scaled_for_ga is not None
+            else (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func
+        )
+        share = loss.detach().float().reshape(()).clone()  # a copy: the all-reduce below must not touch the loss
+        if not scaled_for_accumulation:  # a per-micro-batch mean, as the Trainer itself divides it
+            share = share / self.current_gradient_accumulation_steps
+        self._step_loss = share if self._step_loss is None else self._step_loss + share
+
+    def _step_diverged(self) -> bool:
+        """Whether this optimizer step's loss is bad: stop (after a checkpoint) or report a skip.
+
+        The loss is the step's per-token loss over all processes, the one the Trainer logs for it: one all-reduce and
+        one read from the device per optimizer step, the same decision on every process."""
+        step_loss, self._step_loss = self._step_loss, None
         if self.args.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(summary)
-        mean_loss, nonfinite = summary.tolist()
-        problem = self.divergence_guard.problem(float("nan") if nonfinite else mean_loss / self.args.world_size)
+            torch.distributed.all_reduce(step_loss)
+            step_loss = step_loss / self.args.world_size  # each process's loss is scaled to the world's tokens
+        problem = self.divergence_guard.problem(step_loss.item())
         if problem is None:
             return False
         step, learning_rate = self.state.global_step + 1, self._get_learning_rate()
         if self.args.divergence_action == "skip":
             self.divergence_guard.skipped += 1
             if self.is_world_process_zero():
-                print(f"hf_scale: skipped a micro-batch at step {step}: {problem} (learning rate {learning_rate:.3g})")
+                print(f"hf_scale: skipped step {step}: {problem} (learning rate {learning_rate:.3g})")
             return True
-        self.state.global_step = step  # the checkpoint is named after the step that diverged
-        self._save_checkpoint(self.model_wrapped, trial=None)
-        checkpoint = f"{self.args.output_dir}/checkpoint-{step}"
+        diagnosis = self._save_diagnosis_checkpoint(step)
         raise TrainingDiverged(
             f"training diverged at step {step}: {problem}, learning rate {learning_rate:.3g}; the weights before "
-            f"this step and the optimizer state are saved in {checkpoint} for diagnosis"
+            f"this step and the optimizer state are saved in {diagnosis} for diagnosis (--resume goes on from the "
+            "last periodic checkpoint, not from it)"
         )
+
+    def _save_diagnosis_checkpoint(self, step: int) -> Path:
+        """The state before the diverging `step`, beside the run's checkpoints, where --resume does not look."""
+        output_dir, save_total_limit = self.args.output_dir, self.args.save_total_limit
+        self.args.output_dir = os.path.join(output_dir, f"diverged-step-{step}")
+        self.args.save_total_limit = None
+        try:
+            self._save_checkpoint(self.model_wrapped, trial=None)
+        finally:
+            self.args.output_dir, self.args.save_total_limit = output_dir, save_total_limit
+        return Path(output_dir) / f"diverged-step-{step}" / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.throughput is not None:
             self.throughput.update_logs(logs, self.args.device)
         if self.divergence_guard.skipped and "loss" in logs:
-            logs["skipped_micro_batches"] = self.divergence_guard.skipped
+            logs["skipped_steps"] = self.divergence_guard.skipped
         super().log(logs, *args, **kwargs)
 
     def training_step(
@@ -257,6 +346,13 @@ class ScaleTrainer(Trainer):
         from hf_scale.hpo.search import hyperparameter_search  # optuna is needed only here
 
         return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
+
+
+class NoEmptyEpochWarning(logging.Filter):
+    """Drops the Trainer's warning about an epoch without batches (a finished run resumed over no batches)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not to be a single sample in your epoch_iterator" not in record.getMessage()
 
 
 def describe_batch(args: ScaleTrainingArguments) -> str:

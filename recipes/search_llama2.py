@@ -88,7 +88,7 @@ def main(argv: list[str]) -> dict:
         processing_class=tokenizer,
     )
     hp_space = default_hp_space(
-        getattr(args, "data_parallel_size", args.world_size), peft=model_args.lora_r > 0, settings=space_settings
+        args.data_parallel_size, model_args.lora_r > 0, space_settings, min_learning_rate=args.min_learning_rate
     )
 
     # 5. The search: the best trial's model ends in output_dir/best-model, the report in output_dir/hpo-report.

@@ -56,3 +56,10 @@ def test_resume_needs_a_checkpoint(tmp_path):
 def test_tensor_parallel_needs_a_multiple_of_its_size_in_processes(tmp_path):
     with pytest.raises(ConfigError, match="autotp_size=2 needs a multiple of 2 processes, got 1"):
         ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="autotp")
+
+
+def test_report_to_an_integration_that_is_not_installed_is_named_before_any_work(monkeypatch, tmp_path):
+    monkeypatch.setattr(hf_scale.arguments, "get_available_reporting_integrations", lambda: ["tensorboard"])
+    assert ScaleTrainingArguments(output_dir=str(tmp_path), report_to="tensorboard").report_to == ["tensorboard"]
+    with pytest.raises(ConfigError, match=r"report_to: 'wandb' is not installed \(pip install wandb\)"):
+        ScaleTrainingArguments(output_dir=str(tmp_path), report_to=["tensorboard", "wandb"])

@@ -142,8 +142,10 @@ class Search:
         trainer.model = trainer.model_wrapped = None  # each trial builds its own; this one would only hold memory
         # Processes that each see their own batch (tensor-parallel ranks share one).
         data_parallel = getattr(args, "data_parallel_size", args.world_size)
-        self.hp_space = hp_space or default_hp_space(data_parallel, peft=is_peft_model(initial_model))
-        self.base_args = dict(vars(args))
+        self.hp_space = hp_space or default_hp_space(
+            data_parallel, peft=is_peft_model(initial_model), min_learning_rate=args.min_learning_rate
+        )
+        self.base_args = args  # each trial's arguments are built from these; the trainer gets them back at the end
         self.study: optuna.Study | None = None
         self.trial: optuna.Trial | None = None
         self.study_best: float | None = None  # the study's best value when the running trial started
@@ -403,15 +405,15 @@ class Search:
 
     def restore_arguments(self) -> None:
         """The arguments as the search found them (a multi-objective search has no one best trial to apply)."""
-        vars(self.trainer.args).update(self.base_args)
+        self.trainer.args = self.base_args
 
     def finish(self, best: BestTrial) -> None:
         """Every rank: the best trial's model in the trainer, reloaded from its checkpoint or retrained, and saved."""
         trainer = self.trainer
         plan = TrialPlan(best.number, best.params, best.suggested, best.run_name)
         lora_updates = configure_trial(trainer, self, plan)
-        trainer.args.output_dir = self.base_args["output_dir"]
-        trainer.args.run_name = self.base_args["run_name"]
+        trainer.args.output_dir = self.base_args.output_dir
+        trainer.args.run_name = self.base_args.run_name
         have_checkpoint = best.checkpoint is not None and os.path.isdir(best.checkpoint)
         everyone_has_it = all(sync.gather(have_checkpoint))
         retrain = self.settings.retrain_best or not everyone_has_it or zero3_enabled()
@@ -429,13 +431,13 @@ class Search:
                 trainer.train()
             finally:
                 trainer.model_init = model_init
-                trainer.args.output_dir = self.base_args["output_dir"]
+                trainer.args.output_dir = self.base_args.output_dir
         else:
             say(f"best trial {best.number} ({best.value}): reloading {best.checkpoint}")
             trainer._load_from_checkpoint(best.checkpoint, model)
         save_model(trainer, str(Path(self.output_dir) / "best-model"))
         for name in PER_TRIAL_FIELDS:  # the best trial's values stay; the search's own settings go
-            setattr(trainer.args, name, self.base_args[name])
+            setattr(trainer.args, name, getattr(self.base_args, name))
         if trainer.is_world_process_zero():
             (Path(self.output_dir) / "best-model" / "hpo_best_trial.json").write_text(
                 json.dumps({**asdict(best), "retrained": retrain}, indent=2, default=str) + "\n"

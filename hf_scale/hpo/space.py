@@ -59,13 +59,19 @@ def accumulation_steps(effective_batch: int, per_device_batch: int, world_size: 
 
 
 def default_hp_space(
-    world_size: int = 1, peft: bool = False, settings: SpaceSettings = FINE_TUNING
+    world_size: int = 1,
+    peft: bool = False,
+    settings: SpaceSettings = FINE_TUNING,
+    min_learning_rate: float | None = None,
 ) -> Callable[[Any], dict[str, Any]]:
     """The default search space as an `hp_space(trial) -> dict` function.
 
     `world_size` turns the sampled effective batch into gradient accumulation steps; `peft` adds LoRA r, alpha and
-    dropout. The returned dict holds what the trial applies, the derived accumulation steps included."""
+    dropout. With `min_learning_rate` (the training arguments' floor, which only the cosine schedule has) the
+    schedule is cosine in every trial. The returned dict holds what the trial applies, the derived accumulation
+    steps included."""
     batches = effective_batch_choices(*settings.effective_batch)
+    schedules = ["cosine"] if min_learning_rate is not None else list(settings.schedules)
 
     def hp_space(trial: Any) -> dict[str, Any]:
         per_device = trial.suggest_categorical("per_device_train_batch_size", list(settings.per_device_batches))
@@ -75,7 +81,7 @@ def default_hp_space(
             "weight_decay": trial.suggest_float("weight_decay", *settings.weight_decay),
             "per_device_train_batch_size": per_device,
             "gradient_accumulation_steps": accumulation_steps(effective, per_device, world_size),
-            "lr_scheduler_type": trial.suggest_categorical("lr_scheduler_type", list(settings.schedules)),
+            "lr_scheduler_type": trial.suggest_categorical("lr_scheduler_type", schedules),
             "warmup_ratio": trial.suggest_float("warmup_ratio", *settings.warmup_ratio),
         }
         if peft:

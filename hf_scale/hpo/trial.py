@@ -8,6 +8,7 @@ A trial that raises is caught here on every rank and reported as an outcome; onl
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -17,16 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, set_seed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, set_seed
 
-from hf_scale.arguments import accumulation_for_global_batch
 from hf_scale.errors import HfScaleError
 from hf_scale.hpo import sync
 from hf_scale.hpo.callback import TrialCallback
 from hf_scale.hpo.lora import fast_path_applies, with_adapters
 from hf_scale.hpo.release import release_trial
 from hf_scale.hpo.space import split_hyperparameters
-from hf_scale.presets.consistency import check_against_arguments
 
 COMPLETE, PRUNED, STOPPED, FAILED, ABORTED = "complete", "pruned", "stopped", "failed", "aborted"
 
@@ -66,55 +65,45 @@ def trial_folder(number: int) -> str:
 
 
 # What configure_trial sets for every trial whatever the user asked: put back once the search is over.
-PER_TRIAL_FIELDS = ("output_dir", "run_name", "save_only_model", "load_best_model_at_end", "save_total_limit",
-                    "save_strategy", "save_steps")  # fmt: skip
+PER_TRIAL_FIELDS = ("output_dir", "run_name", "save_only_model", "save_total_limit", "save_strategy", "save_steps",
+                    "resume")  # fmt: skip
+
+
+def trial_arguments(base: Any, params: dict[str, Any], output_dir: str, run_name: str) -> Any:
+    """The trial's arguments: the user's `base` with the trial's values, built and checked as the user's were.
+
+    `dataclasses.replace` runs `__post_init__` again, so a trial's values get every check and every derived value
+    that the same values given by the user would (a schedule and min_learning_rate, an accumulation from
+    global_batch_size, the DeepSpeed config's "auto" values and its contradictions...)."""
+    updates = dict(params)
+    if "gradient_accumulation_steps" in updates:
+        updates["global_batch_size"] = None  # the trial's own accumulation, not one derived from the user's batch
+    # A trial is never resumed (a killed one is run again from the start), so its checkpoints need only the model;
+    # the best one is found by the search's own objective. DeepSpeed reloads a best model (early stopping turns
+    # load_best_model_at_end on) only from a whole checkpoint.
+    model_only = not (base.deepspeed and base.load_best_model_at_end)
+    updates.update(output_dir=output_dir, run_name=run_name, save_only_model=model_only, save_total_limit=None)
+    updates["resume"] = "false"
+    if base.eval_strategy.value != "no":
+        updates.update(save_strategy=base.eval_strategy.value, save_steps=base.eval_steps)
+    else:
+        updates["save_strategy"] = "no"
+    return dataclasses.replace(base, **updates)
 
 
 def configure_trial(trainer: Any, search: Any, plan: TrialPlan) -> dict[str, Any]:
-    """Apply the trial's values to `trainer.args`, rebuild DeepSpeed and the Accelerator; return the LoRA values."""
-    args = trainer.args
-    vars(args).update(search.base_args)  # back to the search's starting point: no value leaks from the last trial
-    arg_updates, lora_updates = split_hyperparameters(plan.params, args)
-    for key, value in arg_updates.items():
-        setattr(args, key, value)
-    if args.global_batch_size is not None and "gradient_accumulation_steps" not in arg_updates:
-        args.gradient_accumulation_steps = accumulation_for_global_batch(
-            args.global_batch_size,
-            args.per_device_train_batch_size,
-            getattr(args, "data_parallel_size", args.world_size),
-        )
-    args.output_dir = str(Path(search.output_dir) / trial_folder(plan.number))
-    args.run_name = plan.run_name
-    # A trial is never resumed (a killed one is run again from the start), so its checkpoints need only the model;
-    # the best one is found by the search's own objective, not by load_best_model_at_end.
-    args.save_only_model = True
-    args.load_best_model_at_end = False
-    args.save_total_limit = None
-    if args.eval_strategy.value != "no":
-        args.save_strategy = SaveStrategy(args.eval_strategy.value)
-        args.save_steps = args.eval_steps
-    else:
-        args.save_strategy = SaveStrategy.NO
-    if args.deepspeed:
-        rebuild_deepspeed(trainer)
-    trainer._train_batch_size = args.train_batch_size
+    """Give the trainer the trial's arguments and an Accelerator built from them; return the LoRA values."""
+    arg_updates, lora_updates = split_hyperparameters(plan.params, search.base_args)
+    output_dir = str(Path(search.output_dir) / trial_folder(plan.number))
+    trainer.args = trial_arguments(search.base_args, arg_updates, output_dir, plan.run_name)
+    if trainer.args.deepspeed:
+        from accelerate.state import AcceleratorState
+
+        trainer.accelerator.free_memory()
+        AcceleratorState._reset_state()  # accelerate keeps the last trial's DeepSpeed plugin in its shared state
+    trainer._train_batch_size = trainer.args.train_batch_size
     trainer.create_accelerator_and_postprocess()
     return lora_updates
-
-
-def rebuild_deepspeed(trainer: Any) -> None:
-    """A DeepSpeed config whose "auto" values come from the trial's arguments (as the stock backend does)."""
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DeepSpeedPlugin
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-
-    args = trainer.args
-    check_against_arguments(args.deepspeed, args, args.world_size)
-    trainer.accelerator.free_memory()
-    args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)
-    args.hf_deepspeed_config.trainer_config_process(args)
-    args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
-    AcceleratorState()._reset_state()  # accelerate keeps the old plugin in its shared state otherwise
 
 
 def build_model(trainer: Any, search: Any, plan: TrialPlan, lora_updates: dict[str, Any]) -> Any:

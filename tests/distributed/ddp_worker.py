@@ -27,11 +27,12 @@ import torch
 from datasets import Dataset
 from safetensors.torch import save_file
 from torch.optim.lr_scheduler import LambdaLR
-from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, HfArgumentParser, TrainerCallback
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, HfArgumentParser, TrainerCallback, set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.checkpoints import is_complete, last_complete_checkpoint
+from hf_scale.data.batching import make_collator
 from hf_scale.data.templates import ALPACA
 from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
 from hf_scale.errors import HfScaleError
@@ -67,6 +68,8 @@ def main() -> None:
     worker.add_argument("--save_final", action="store_true")
     worker.add_argument("--ascent_after", type=int)
     worker.add_argument("--kill_during_saves", type=int, default=0)
+    worker.add_argument("--packing", action="store_true")
+    worker.add_argument("--lora", action="store_true")  # rank 8 on q/v, modules_to_save none
     worker.add_argument("--output_dir", required=True)  # also passed on to the Trainer
     options, argv = worker.parse_known_args()
     argv += ["--output_dir", options.output_dir]
@@ -100,6 +103,11 @@ def main() -> None:
     tokenizer = load_tokenizer(str(path))
     dataset = tiny_dataset(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path)
+    if options.lora:
+        from peft import LoraConfig, get_peft_model
+
+        set_seed(args.seed)  # the adapters' initial weights: the same in every run and on every rank
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     start_digest = weights_digest(model)
     trainer_class = ScaleTrainer if options.ascent_after is None else ascending_after(options.ascent_after)
     if attempt < options.kill_during_saves:
@@ -109,7 +117,7 @@ def main() -> None:
         args=args,
         train_dataset=dataset,
         eval_dataset=dataset.select(range(32)),
-        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX),
+        data_collator=make_collator(tokenizer, options.packing),
         processing_class=tokenizer,
         callbacks=[KillAfterCheckpoint(options.kill_after_checkpoint, options.kill_rank)]
         if options.kill_after_checkpoint
@@ -130,8 +138,8 @@ def main() -> None:
         "end_digest": weights_digest(trainer.model),
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "deepspeed": bool(args.deepspeed),
-        "q_proj_shape": list(trainer.model.model.layers[0].self_attn.q_proj.weight.shape),
-        "o_proj_shape": list(trainer.model.model.layers[0].self_attn.o_proj.weight.shape),
+        "q_proj_shape": list(trainer.model.get_decoder().layers[0].self_attn.q_proj.weight.shape),
+        "o_proj_shape": list(trainer.model.get_decoder().layers[0].self_attn.o_proj.weight.shape),
         "final_eval_loss": final_eval_loss,
         "effective_batch_size": args.effective_batch_size,
         "eval_losses": [[e["step"], e["eval_loss"]] for e in trainer.state.log_history if "eval_loss" in e],

@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.data.batching import make_collator
 from hf_scale.data.templates import ALPACA
-from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
+from hf_scale.data.tokenize import tokenize_records
 from hf_scale.errors import HfScaleError
 from hf_scale.modeling import load_tokenizer
 from hf_scale.tiny import ensure_tiny_model, generate_tasks
@@ -52,7 +53,14 @@ def options() -> argparse.Namespace:
     parser.add_argument("--grace_period", type=int, default=None)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--lora_fast_path", default="true")
-    parser.add_argument("--space", default="lr", help="lr: learning rate only; lr_batch: and the batch size")
+    parser.add_argument(
+        "--space", default="lr", help="lr: learning rate only; lr_batch: and the batch size; default: hf_scale's own"
+    )
+    parser.add_argument("--min_learning_rate", type=float, default=None)
+    parser.add_argument("--early_stopping_patience", type=int, default=None)
+    parser.add_argument("--divergence_action", default="stop")
+    parser.add_argument("--divergence_spike_factor", type=float, default=None)
+    parser.add_argument("--packing", action="store_true")
     parser.add_argument("--lrs", default=None, help="comma-separated learning rates, one per trial in turn")
     parser.add_argument("--warmup_evaluations", type=int, default=1)
     parser.add_argument("--retrain_best", action="store_true")
@@ -110,6 +118,10 @@ def main() -> None:
         seed=opts.seed,
         data_seed=opts.seed,
         zero_preset=opts.zero_preset,
+        min_learning_rate=opts.min_learning_rate,
+        early_stopping_patience=opts.early_stopping_patience,
+        divergence_action=opts.divergence_action,
+        divergence_spike_factor=opts.divergence_spike_factor,
     )
     with args.main_process_first():
         path = ensure_tiny_model()
@@ -157,7 +169,7 @@ def main() -> None:
         args=args,
         train_dataset=train,
         eval_dataset=evaluation,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX),
+        data_collator=make_collator(tokenizer, packing=opts.packing),
         processing_class=tokenizer,
         callbacks=[Misbehave(opts.fail_trial, opts.fail_rank, opts.sleep_trial), BaseDigest()],
     )
@@ -170,7 +182,7 @@ def main() -> None:
     if opts.objective:
         extra["compute_objective"] = lambda metrics: metrics[opts.objective]
     best = trainer.hyperparameter_search(
-        hp_space=hp_space,
+        hp_space=None if opts.space == "default" else hp_space,
         direction=opts.direction,
         n_trials=opts.n_trials,
         study_name=opts.study_name,

@@ -32,6 +32,16 @@ def test_shipped_configs_are_valid(config):
         assert "# Planner: hf-scale plan" in config.read_text()
 
 
+@pytest.mark.parametrize("config", sorted((REPO_ROOT / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_what_each_config_reports_to_is_installed(config):
+    """`pip install hf-scale` brings every integration a shipped config names (tensorboard was missing)."""
+    from transformers.integrations import get_available_reporting_integrations
+
+    report_to = load_yaml_config(config).get("report_to", "none")
+    named = {report_to} if isinstance(report_to, str) else set(report_to)
+    assert named - {"none"} <= set(get_available_reporting_integrations())
+
+
 LLAMA2_CONFIGS = [path for path in CONFIGS if path.name.startswith("llama2_")]
 
 
