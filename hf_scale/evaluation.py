@@ -71,7 +71,8 @@ def _generate_batch(
 ) -> list[str]:
     """Greedy-generate one left-padded batch and decode the new tokens (special tokens, padding included, dropped)."""
     prompts = [prompt_ids(tokenizer, template.format_prompt(r["instruction"], r.get("input") or "")) for r in batch]
-    # Left padding: every prompt ends at the last column, where generation appends.
+    # Left padding, for this batch only (training pads on the right whatever the tokenizer says): every prompt ends
+    # at the last column, where generation appends.
     inputs = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
     generated = model.generate(
         **inputs,
@@ -79,12 +80,27 @@ def _generate_batch(
         do_sample=False,
         num_beams=1,
         pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=stop_token_ids(model, tokenizer, template),
         # Ids only: scores or logits of every step would be kept for the whole batch.
         output_scores=False,
         output_logits=False,
         return_dict_in_generate=False,
     )
     return tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, template: PromptTemplate) -> list[int]:
+    """Where greedy generation stops: the model's own EOS ids, the tokenizer's EOS, and the template's end of turn.
+
+    A chat template that closes a turn with a token other than EOS (`<|im_end|>`, `<|eot_id|>`) trains the model
+    to write that token and not EOS; generation that waited for EOS would run on past the answer.
+    """
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [configured] if isinstance(configured, int) else list(configured or [])
+    ids.append(tokenizer.eos_token_id)
+    if template.end_of_turn:
+        ids.append(tokenizer.convert_tokens_to_ids(template.end_of_turn))
+    return list(dict.fromkeys(i for i in ids if i is not None))  # in order, once each
 
 
 def generation_metrics(

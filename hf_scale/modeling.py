@@ -122,6 +122,9 @@ def _json_mapping(path: Path) -> dict:
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer, with a pad token: LLaMA-2 has none. `unk` is used when there is one, so pad != EOS.
 
+    Its `padding_side` stays as saved (it is saved again with the fine-tuned model): training batches pad on the
+    right (`make_collator`) and generation batches on the left (`hf_scale.evaluation`), each whatever it says.
+
     Example:
         tokenizer = load_tokenizer("meta-llama/Llama-2-7b-hf")
         assert tokenizer.pad_token_id != tokenizer.eos_token_id

@@ -3,7 +3,8 @@
 `check_output_dir` runs when the arguments are built: a run that could never save stops before it loads data.
 `checkpoint_save_guard` wraps one checkpoint save: when the disk is full or the folder turns read-only mid-run,
 it removes the half-written `checkpoint-N` (so that `--resume` does not pick it as the newest) and raises a
-`SaveError` naming the folder, the cause and the previous checkpoint, which is left as it was.
+`SaveError` naming the folder, the cause and the previous checkpoint, which is left as it was; with several
+processes, on every process at once, naming the one that failed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -62,21 +63,44 @@ def _write_problem(folder: Path) -> str | None:
 
 
 @contextmanager
-def checkpoint_save_guard(checkpoint_dir: str | os.PathLike) -> Iterator[None]:
+def checkpoint_save_guard(
+    checkpoint_dir: str | os.PathLike,
+    gather: Callable[[str | None], list[str | None]] = lambda outcome: [outcome],
+    removes_partial: bool = True,
+) -> Iterator[None]:
     """Turn a write that fails while saving into `checkpoint_dir` into a `SaveError`, removing what it half wrote.
 
     Any other error passes through as it is, also without a half-written folder left behind for `--resume` to
     pick. A folder that existed before the save is never removed (it was not this save's to remove).
+    With several processes, `gather` exchanges each one's outcome once its part of the save is over (a collective
+    that every process calls, e.g. accelerate's `gather_object`): when any failed, every process stops with that
+    process's reason, and the partial folder is removed by the one process with `removes_partial`, once nobody
+    writes into it any more. Alone, a failed process would remove the folder the others are writing, and they would
+    wait for it in their next collective.
     """
     checkpoint_dir = Path(checkpoint_dir)
     existed = checkpoint_dir.exists()
+    error = None
     try:
         yield
-    except Exception as error:
-        leftover = "" if existed else _remove_partial(checkpoint_dir)
-        if not is_write_error(error):
-            raise
-        raise SaveError(describe_failed_save(checkpoint_dir, error) + leftover) from error
+    except Exception as caught:
+        error = caught
+    outcomes = gather(None if error is None else _failed_save_message(checkpoint_dir, error))
+    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    if not failed:
+        return
+    leftover = _remove_partial(checkpoint_dir) if removes_partial and not existed else ""
+    if error is not None and not is_write_error(error):
+        raise error
+    rank, message = failed[0]
+    where = f"rank {rank}: " if len(outcomes) > 1 else ""
+    raise SaveError(where + message + leftover) from error
+
+
+def _failed_save_message(checkpoint_dir: Path, error: BaseException) -> str:
+    if is_write_error(error):
+        return describe_failed_save(checkpoint_dir, error)
+    return f"saving checkpoint {checkpoint_dir} raised {type(error).__name__}: {error}"
 
 
 def is_write_error(error: BaseException) -> bool:

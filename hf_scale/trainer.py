@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import EarlyStoppingCallback, Trainer
@@ -147,12 +148,14 @@ class ScaleTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        # A failed write on any process: a clear SaveError on every process, no torn folder left. Its exchange of
+        # outcomes also waits until every rank's shards are written.
+        exchange = lambda outcome: gather_object([outcome])  # noqa: E731
         try:
-            with checkpoint_save_guard(folder):  # a failed write: a clear SaveError, no torn folder left
+            with checkpoint_save_guard(folder, exchange, removes_partial=self.args.should_save):
                 super()._save_checkpoint(model, trial)  # with no limit it deletes nothing yet
         finally:
             self.args.save_total_limit = save_total_limit
-        self.accelerator.wait_for_everyone()  # every rank's shards are written
         if self.args.should_save:
             mark_complete(folder)
             rotate_checkpoints(

@@ -5,16 +5,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import hf_scale.metrics
-from hf_scale.data.templates import ALPACA
+from hf_scale.data.batching import make_collator
+from hf_scale.data.templates import ALPACA, get_template
 from hf_scale.data.tokenize import prompt_ids
 from hf_scale.errors import ConfigError
 from hf_scale.evaluation import generate_responses, generation_metrics, greedy_exact_match
 from hf_scale.metrics import load_metric
 from hf_scale.modeling import load_tokenizer
 from hf_scale.tiny import generate_tasks
+from tests.data.chat_tokenizers import chatml_tokenizer
 from tests.helpers import run_command, torchrun
 
 
@@ -25,6 +27,7 @@ class ScriptedModel(torch.nn.Module):
         super().__init__()
         self.tokenizer, self.responses = tokenizer, list(responses)
         self.anchor = torch.nn.Parameter(torch.zeros(1))
+        self.attention_masks = []  # of every generate call, to check how the prompts were padded
 
     @property
     def device(self):
@@ -35,6 +38,7 @@ class ScriptedModel(torch.nn.Module):
         # Token ids only: nothing that keeps scores or logits.
         assert kwargs["output_scores"] is False and kwargs["return_dict_in_generate"] is False
         assert (attention_mask[:, -1] == 1).all()  # left padding: every prompt ends at the last column
+        self.attention_masks.append(attention_mask)
         rows = []
         for _ in range(len(input_ids)):
             ids = self.tokenizer(self.responses.pop(0), add_special_tokens=False)["input_ids"]
@@ -58,6 +62,66 @@ def test_exact_match_counts_exact_answers_only(tiny_model_dir):
     score = greedy_exact_match(model, tokenizer, records, ALPACA, max_new_tokens=6, batch_size=4)
     assert score == 0.5
     assert model.training  # the caller's mode is restored
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_generation_pads_on_the_left_and_leaves_the_tokenizers_side_to_training(tiny_model_dir, side):
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    tokenizer.padding_side = side
+    records = RECORDS_OF_TWO_LENGTHS
+    model = ScriptedModel(tokenizer, [r["output"] for r in records])
+    assert generate_responses(model, tokenizer, records, ALPACA, max_new_tokens=4) == ["42", "10"]
+    [mask] = model.attention_masks
+    assert mask[:, 0].tolist() == [1, 0]  # the shorter prompt is padded, on the left (ScriptedModel checks the end)
+    assert tokenizer.padding_side == side  # generation chose left for its own batch only
+    # and training batches made afterwards still pad on the right
+    features = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [5], "labels": [5]}]
+    batch = make_collator(tokenizer, packing=False, pad_to_multiple_of=None)(features)
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"][1].tolist() == [5, -100, -100]
+
+
+RECORDS_OF_TWO_LENGTHS = [
+    {"instruction": "Add one to the number.", "input": "41", "output": "42"},
+    {"instruction": "What number comes after 9?", "input": "", "output": "10"},
+]
+
+
+class ForceScripts(LogitsProcessor):
+    """Makes greedy generation write `scripts[row]`, then repeat its last token: a model that does not stop itself."""
+
+    def __init__(self, scripts: list[list[int]], prompt_width: int):
+        self.scripts, self.prompt_width = scripts, prompt_width
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.prompt_width
+        forced = torch.full_like(scores, float("-inf"))
+        for row, script in enumerate(self.scripts):
+            forced[row, script[min(step, len(script) - 1)]] = 0
+        return forced
+
+
+def test_greedy_generation_stops_at_the_chat_templates_end_of_turn(tiny_model_dir):
+    # ChatML: a turn ends with <|im_end|>, EOS is <|endoftext|>; the model says its answer, closes its turn, and
+    # (as any model would, unstopped) goes on writing.
+    tokenizer = chatml_tokenizer(tiny_model_dir)
+    tokenizer.pad_token = tokenizer.unk_token
+    template = get_template("chat_template", tokenizer=tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    model.resize_token_embeddings(len(tokenizer))
+    records = RECORDS_OF_TWO_LENGTHS
+    scripts = [tokenizer(r["output"] + "<|im_end|>99", add_special_tokens=False)["input_ids"] for r in records]
+    assert scripts[0][2] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    real_generate = model.generate
+
+    def scripted_generate(**kwargs):
+        processors = LogitsProcessorList([ForceScripts(scripts, kwargs["input_ids"].shape[1])])
+        return real_generate(**kwargs, logits_processor=processors)
+
+    model.generate = scripted_generate
+    texts = generate_responses(model, tokenizer, records, template, max_new_tokens=8, batch_size=2)
+    assert texts == ["42", "10"]  # not "4299999": generation stops where the chat format ends the turn
+    assert greedy_exact_match(model, tokenizer, records, template, max_new_tokens=8, batch_size=2) == 1.0
 
 
 def plain_greedy_loop(model, tokenizer, records, max_new_tokens: int) -> list[str]:

@@ -2,14 +2,18 @@
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
 
 from hf_scale.data.batching import make_collator
 from hf_scale.data.templates import ALPACA
 from hf_scale.data.tokenize import tokenize_records
 from hf_scale.flops import (
+    adapter_parameters,
     attention_flops_per_token,
     effective_seq_len,
+    frozen_matmul_parameters,
     matmul_parameters,
     mfu,
     training_flops_per_token,
@@ -99,3 +103,72 @@ def test_mfu_is_achieved_over_peak():
     per_token = training_flops_per_token(KNOWN_CONFIGS["meta-llama/Llama-2-7b-hf"], 4096)
     assert mfu(3000, per_token, 312e12) == pytest.approx(3000 * 4.61e10 / 312e12, rel=0.01)
     assert mfu(3000, per_token, 312e12) == pytest.approx(0.443, abs=0.002)
+
+
+# The tiny model: hidden 64, 3 layers, MLP 256, vocab 517, LM head tied to the embedding.
+TINY_MATMUL = 3 * (4 * 64 * 64 + 3 * 64 * 256) + 64 * 517  # q, k, v, o + gate, up, down per layer + LM head
+TINY_ATTENTION = 12 * 3 * 64  # per token, x seq_len
+LORA_ON_Q_AND_V = 3 * 2 * (8 * 64 + 64 * 8)  # rank 8: A (8 x 64) and B (64 x 8) on q and v of 3 layers
+
+
+def lora_model(tiny_model_dir, **lora) -> torch.nn.Module:
+    """The tiny model, eager attention (FlopCounterMode counts its products), rank 8 LoRA on q and v."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.set_attn_implementation("eager")
+    return get_peft_model(model, LoraConfig(r=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], **lora))
+
+
+def counted_per_token(model, seq_len: int = 256) -> float:
+    """FLOPs that FlopCounterMode counts per token of one forward + backward, with the embedding output requiring
+    a gradient (as gradient checkpointing makes it): otherwise autograd skips the first layer's input gradient."""
+    model.enable_input_require_grads()
+    batch = {"input_ids": torch.randint(0, 500, (2, seq_len), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"]
+    total, _ = counted_training_flops(model, batch)
+    return total / batch["input_ids"].numel()
+
+
+def test_full_fine_tuning_is_six_times_every_weight(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.set_attn_implementation("eager")
+    assert matmul_parameters(model.config) == TINY_MATMUL == 229_696
+    assert frozen_matmul_parameters(model) == 0 and adapter_parameters(model) == 0
+    expected = 6 * TINY_MATMUL + TINY_ATTENTION * 256
+    assert training_flops_per_token(model.config, 256) == expected  # the defaults: unchanged
+    assert training_flops_per_token(model.config, 256, frozen=0, adapters=0) == expected
+    assert counted_per_token(model) == pytest.approx(expected, rel=1e-9)  # torch's count, exactly
+
+
+def test_lora_leaves_out_the_weight_gradients_of_the_frozen_base(tiny_model_dir):
+    model = lora_model(tiny_model_dir)
+    # the whole base is frozen, LM head included (a product although tied to the embedding, a lookup)
+    assert frozen_matmul_parameters(model) == TINY_MATMUL
+    assert adapter_parameters(model) == LORA_ON_Q_AND_V == 6_144
+    per_token = training_flops_per_token(model.config, 256, frozen=TINY_MATMUL, adapters=LORA_ON_Q_AND_V)
+    # forward 2N, input gradients 2N, no weight gradients of the base; adapters 6 x theirs
+    assert per_token == 4 * TINY_MATMUL + 6 * LORA_ON_Q_AND_V + TINY_ATTENTION * 256
+    assert counted_per_token(model) == pytest.approx(per_token, rel=1e-9)
+    full = training_flops_per_token(model.config, 256)
+    assert full - per_token == 2 * TINY_MATMUL - 6 * LORA_ON_Q_AND_V  # a quarter lower here
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # the trained copy is untied: wanted here
+def test_lora_with_a_trained_lm_head_counts_its_weight_gradient_once(tiny_model_dir):
+    # modules_to_save: a trainable copy of the LM head runs; PEFT keeps the frozen original, which does not run
+    model = lora_model(tiny_model_dir, modules_to_save=["lm_head"])
+    lm_head = 64 * 517
+    assert frozen_matmul_parameters(model) == TINY_MATMUL - lm_head
+    assert adapter_parameters(model) == LORA_ON_Q_AND_V
+    per_token = training_flops_per_token(model.config, 256, frozen=TINY_MATMUL - lm_head, adapters=LORA_ON_Q_AND_V)
+    assert counted_per_token(model) == pytest.approx(per_token, rel=1e-9)
+
+
+def test_adapters_that_do_not_run_are_not_counted(tiny_model_dir):
+    model = lora_model(tiny_model_dir)
+    # a second adapter, loaded but not active: frozen, and its A and B do not run
+    model.add_adapter("other", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert not any(p.requires_grad for name, p in model.named_parameters() if ".other." in name)
+    assert adapter_parameters(model) == LORA_ON_Q_AND_V
+    assert frozen_matmul_parameters(model) == TINY_MATMUL
+    with model.disable_adapter():
+        assert adapter_parameters(model) == 0

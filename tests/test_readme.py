@@ -1,13 +1,11 @@
 """The README stays true: its Python compiles, its files exist, and every command it shows is run by a test."""
 
-import json
 import re
-import subprocess
 
 import pytest
 
-from hf_scale.config import load_yaml_config
-from tests.helpers import REPO_ROOT, free_port, launch_env, python_bin, run_command
+from tests.helpers import REPO_ROOT, SHARED_DATA, python_bin, run_command
+from tests.recipes.launch import check_fine_tuning_run, header_launch_line, launch_on_cpu, shrinking_flags
 
 README = (REPO_ROOT / "README.md").read_text()
 
@@ -69,7 +67,8 @@ RUN_BY = {
     "hf-scale presets show zero2": "tests/test_cli.py::test_presets_list_and_show",
     "hf-scale env": "tests/test_cli.py::test_env_reports_versions_and_devices",
     "hf-scale report STUDY": "tests/hpo/test_units.py::test_report_command_reads_a_study_file",
-    "accelerate launch": "tests/test_readme.py::test_gpu_launch_lines_run_on_two_cpu_processes",
+    "accelerate launch": "tests/recipes/test_configs_as_shipped.py::"
+    "test_config_launched_as_shipped_trains_and_saves_what_loads",
     "torchrun --max_restarts 20": "tests/distributed/test_kills_during_saves.py::"
     "test_zero2_killed_during_saves_again_and_again_ends_with_the_unbroken_weights",
     "torchrun --max_restarts N --rdzv_backend c10d --rdzv_endpoint HOST:PORT": "tests/test_distributed.py::"
@@ -92,6 +91,16 @@ def launch_lines() -> list[str]:
     return [c for c in readme_commands() if c.startswith(LAUNCHERS) and "--config" in c]
 
 
+def other_launchers() -> list[str]:
+    """The launch lines that are not a config header's own (those run in tests/recipes/test_configs_as_shipped.py)."""
+    headers = {
+        header_launch_line(path)
+        for path in (REPO_ROOT / "recipes" / "configs").glob("*.yaml")
+        if "tiny" not in path.name
+    }
+    return [command for command in launch_lines() if command not in headers]
+
+
 def test_every_readme_command_is_run_by_a_test():
     shown_with_output = [" ".join(c.split()) for c in re.findall(r"^\$ (hf-scale .*)$", README, re.MULTILINE)]
     run_below = [*launch_lines(), *shown_with_output, recipe_example()]  # by the tests below and the one above
@@ -103,6 +112,7 @@ def test_every_readme_command_is_run_by_a_test():
         if name:
             assert re.search(rf"^def {name}\(", (REPO_ROOT / path).read_text(), re.MULTILINE), test
     assert len(launch_lines()) == 5  # 1 node (accelerate, torchrun, deepspeed), 2 nodes, the search
+    assert len(other_launchers()) == 2  # torchrun and deepspeed; the others are config headers
 
 
 def recipe_example() -> str:
@@ -126,76 +136,11 @@ def test_the_hub_login_command_exists():
     assert result.returncode == 0, result.stderr[-1000:]
 
 
-def cpu_version(command: str, port: int) -> list[list[str]]:
-    """The launch line on 2 CPU processes (one per node for the two-node line): one command per node."""
-    words = command.split()
-    if words[0] == "torchrun":
-        words[words.index("--nproc_per_node") + 1] = "2"
-        words[1:1] = ["--master_port", str(port)]
-    elif words[0] == "deepspeed":
-        words[words.index("--num_gpus") + 1] = "2"
-        words[1:1] = ["--master_port", str(port)]
-    else:
-        words[2:2] = ["--num_processes", "2", "--main_process_port", str(port)]
-        if "--machine_rank" in words:
-            words[2:2] = ["--main_process_ip", "127.0.0.1"]
-            second = list(words)
-            second[second.index("--machine_rank") + 1] = "1"
-            return [[python_bin(words[0]), *words[1:]], [python_bin(second[0]), *second[1:]]]
-    return [[python_bin(words[0]), *words[1:]]]
-
-
-def shortened(command: str, tiny_model_dir, data_file, output_dir) -> list[str]:
-    """Flags that win over the config: the tiny model and generated data, a few steps, no tensorboard."""
-    config = load_yaml_config(REPO_ROOT / command.split("--config ")[1].split()[0])
-    flags = ["--model_name_or_path", str(tiny_model_dir), "--dataset", str(data_file), "--output_dir", str(output_dir)]
-    flags += ["--max_steps", "4", "--eval_steps", "2", "--report_to", "none", "--disable_tqdm", "true"]
-    if "search_llama2.py" in command:
-        return flags + ["--n_trials", "2", "--effective_batch_min", "8", "--effective_batch_max", "16"]
-    # 2 accumulation steps on 2 processes; a learning rate that shows in 4 steps
-    global_batch = config["per_device_train_batch_size"] * 2 * 2
-    flags += ["--global_batch_size", str(global_batch), "--learning_rate", "1e-3", "--save_steps", "2"]
-    return flags + ["--logging_steps", "1", "--exact_match_samples", "8", "--max_new_tokens", "8"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("command", launch_lines(), ids=lambda c: c.split()[0] + "-" + c.split("--config ")[1])
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
+@pytest.mark.parametrize("command", other_launchers(), ids=lambda c: c.split()[0] + "-" + c.split("--config ")[1])
 def test_gpu_launch_lines_run_on_two_cpu_processes(command, tmp_path, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    from hf_scale.checkpoints import checkpoints, is_complete
-    from hf_scale.tiny import generate_tasks
-
-    data_file = tmp_path / "tasks.jsonl"
-    data_file.write_text("".join(json.dumps(record) + "\n" for record in generate_tasks()[0][:512]))
+    """The README's launch lines that no config header shows (torchrun, DeepSpeed's launcher), as shipped."""
     output_dir = tmp_path / "run"
-    flags = shortened(command, tiny_model_dir, data_file, output_dir)
-    nodes = [
-        subprocess.Popen([*node, *flags], cwd=REPO_ROOT, env=launch_env(LOCAL_SIZE="2"), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for node in cpu_version(command, free_port())
-    ]  # fmt: skip
-    try:
-        outputs = [node.communicate(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0] * len(nodes), "\n".join(err[-3000:] for _, err in outputs)
-    stdout = outputs[0][0]
-
-    config = load_yaml_config(REPO_ROOT / command.split("--config ")[1])
-    if "search_llama2.py" in command:
-        best = json.loads((output_dir / "best_run.json").read_text())
-        assert {"learning_rate", "lora_r", "lora_alpha"} <= best["hyperparameters"].keys()  # a LoRA search
-        assert len((output_dir / "hpo-report" / "trials.csv").read_text().splitlines()) == 1 + 2
-        return
-    metrics = json.loads((output_dir / "metrics.json").read_text())
-    batch = config["per_device_train_batch_size"]
-    assert metrics["world_size"] == 2 and metrics["effective_batch_size"] == batch * 4
-    assert f"effective batch {batch * 4} = {batch} per device x 2 data-parallel process(es) x 2 accumulation" in stdout
-    assert metrics["eval_after_loss"] < metrics["eval_before_loss"]
-    saved = checkpoints(output_dir)
-    assert [folder.name for folder in saved] == ["checkpoint-2", "checkpoint-4"] and all(map(is_complete, saved))
-    assert (saved[-1] / "global_step4").is_dir()  # DeepSpeed's own checkpoint: the config's ZeRO preset ran
-    model = AutoModelForCausalLM.from_pretrained(output_dir)  # a whole model, also from ZeRO-3
-    assert all(parameter.numel() > 0 for parameter in model.parameters())
+    flags = shrinking_flags(command, tiny_model_dir, SHARED_DATA / "alpaca_en_demo.json", output_dir)
+    check_fine_tuning_run(command, launch_on_cpu(command, flags), output_dir, tiny_model_dir)

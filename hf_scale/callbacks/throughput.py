@@ -4,7 +4,8 @@ Real tokens are the tokens the model attends to: `attention_mask.sum()` for a pa
 packed batch (no attention mask, `position_ids` restarting at each example), every token of a batch with
 neither. Padding is never counted, so padded and packed runs of the same data report the same token counts
 and their tokens/s compare directly. FLOPs follow `hf_scale.flops` (6 x matmul weights + full-square
-attention per token, the attention over each example's own length).
+attention per token, the attention over each example's own length; frozen weights, a LoRA's base, compute no
+weight gradients: 2 x those less, and the adapters add 6 x theirs).
 
 Wiring. A callback does not see the batches: the trainer hands each micro-batch to `count_batch` from
 `training_step`. The trainer should also add the figures, through `update_logs` from `Trainer.log` before
@@ -28,8 +29,11 @@ sees them. In ScaleTrainer:
 
 Counting is done on the batch's device without reading anything back (a `.item()` per micro-batch would make
 the CPU wait for the GPU at every step); the counts are read once per log, summed over the processes when
-torch.distributed is initialised. A window is the wall time between two training logs, so an evaluation or a
-checkpoint save in between counts in it, as it does in the Trainer's own `train_runtime`.
+torch.distributed is initialised. Under DeepSpeed AutoTP the `autotp_size` ranks of a tensor-parallel group train
+on the same batch (each computes a slice of every split layer), so that sum holds each batch once per rank of
+the group: it is divided by the tensor-parallel size, and every batch counts once. A window is the wall time
+between two training logs, so an evaluation or a checkpoint save in between counts in it, as it does in the
+Trainer's own `train_runtime`.
 """
 
 from __future__ import annotations
@@ -44,7 +48,13 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from hf_scale.flops import effective_seq_len, mfu, training_flops_per_token
+from hf_scale.flops import (
+    adapter_parameters,
+    effective_seq_len,
+    frozen_matmul_parameters,
+    mfu,
+    training_flops_per_token,
+)
 from hf_scale.hardware import GIB, gpu_from_device_name
 
 TRAINING_LOG_KEY = "loss"  # present in the logs of training steps, absent from eval and final-summary logs
@@ -105,12 +115,26 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def tensor_parallel_size(args: Any) -> int:
+    """Processes that train on the same batch: DeepSpeed AutoTP's `autotp_size` (1 without tensor parallelism).
+
+    `ScaleTrainingArguments.tensor_parallel_size`, or for a stock `TrainingArguments` its DeepSpeed config."""
+    size = getattr(args, "tensor_parallel_size", None)
+    if size is None:
+        deepspeed_config = getattr(args, "hf_deepspeed_config", None)
+        size = deepspeed_config.config.get("tensor_parallel", {}).get("autotp_size", 1) if deepspeed_config else 1
+    return int(size)
+
+
 class ThroughputCallback(TrainerCallback):
     """Adds to each training log, over the steps since the previous one:
 
-    - `real_tokens_per_second`, `samples_per_second`: all processes together;
-    - `flops_per_token`: training FLOPs per real token for these batches (`hf_scale.flops`);
-    - `tflops_per_device`: achieved model TFLOP/s of one device (the total over the world size);
+    - `real_tokens_per_second`, `samples_per_second`: all processes together, each batch once (the
+      tensor-parallel ranks that share a batch count it once);
+    - `flops_per_token`: training FLOPs per real token for these batches (`hf_scale.flops`; the frozen weights and
+      the LoRA adapters are read from the trained model at on_train_begin);
+    - `tflops_per_device`: achieved model TFLOP/s of one device (the total over the world size: under tensor
+      parallelism each device computes 1/tp of every split product of its group's batch);
     - `mfu`: tflops_per_device over the GPU's dense bf16 peak, when the GPU is in the hardware catalogue
       (absent on CPU and on unknown GPUs);
     - `peak_memory_gib`: the largest peak of any process so far (CUDA max allocated, or peak RSS on CPU);
@@ -126,6 +150,9 @@ class ThroughputCallback(TrainerCallback):
         self.peak_flops = peak_flops
         self.counts = BatchCounts()
         self.real_tokens_seen = 0
+        self.tensor_parallel_size = 1  # from the training arguments at on_train_begin
+        self.frozen_matmul_parameters = 0  # from the trained model at on_train_begin, as are the adapters
+        self.adapter_parameters = 0
         self._window_start = time.perf_counter()
         self._warned_no_batches = False
 
@@ -136,8 +163,12 @@ class ThroughputCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.model_config is None and model is not None:
             self.model_config = model.config
+        if model is not None:
+            self.frozen_matmul_parameters = frozen_matmul_parameters(model)
+            self.adapter_parameters = adapter_parameters(model)
         if self.peak_flops is None:
             self.peak_flops = device_peak_flops()
+        self.tensor_parallel_size = tensor_parallel_size(args)
         self.counts.reset()
         self.real_tokens_seen = 0
         self._window_start = time.perf_counter()
@@ -161,6 +192,8 @@ class ThroughputCallback(TrainerCallback):
             torch.distributed.all_reduce(totals)
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
             world_size = torch.distributed.get_world_size()
+            # The ranks of a tensor-parallel group all counted the same batches: keep one copy of each.
+            totals = totals // self.tensor_parallel_size
         tokens, samples, squared_lengths = totals.tolist()
         self.counts.reset()
         self._window_start = time.perf_counter()
@@ -174,7 +207,12 @@ class ThroughputCallback(TrainerCallback):
                 self._warned_no_batches = True
             return
         self.real_tokens_seen += tokens
-        flops_per_token = training_flops_per_token(self.model_config, effective_seq_len(tokens, squared_lengths))
+        flops_per_token = training_flops_per_token(
+            self.model_config,
+            effective_seq_len(tokens, squared_lengths),
+            frozen=self.frozen_matmul_parameters,
+            adapters=self.adapter_parameters,
+        )
         tokens_per_second = tokens / elapsed
         logs[TOKENS_PER_SECOND] = tokens_per_second
         logs["samples_per_second"] = samples / elapsed

@@ -7,10 +7,16 @@ cache: with `use_cache=True` (the saved config's default, and what `TrainingArgu
 back) the packed examples silently attend to each other. `ScaleTrainer` passes `use_cache=False` for every
 packed batch, and switches sdpa models to `hf_scale.packed_attention`, which cuts the row at each restart
 instead of masking the whole row.
+
+Padded batches pad on the right whatever the tokenizer's `padding_side` says: many chat models save "left" (what
+their generation needs), and left-padded training shifts every shorter example's positions. LLaMA's rotary positions
+are relative, so its loss does not change, but a model with absolute positions trains on shifted ones. Generation
+(`hf_scale.evaluation`) pads its own batches on the left.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from typing import Literal
@@ -24,7 +30,7 @@ MEGABATCH_FACTOR = 50  # transformers' LengthGroupedSampler sorts within megabat
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool, pad_to_multiple_of: int | None = 8):
-    """Padding-free packing, or padding to the longest example of each batch (labels padded with -100).
+    """Padding-free packing, or padding on the right to the longest example of each batch (labels padded with -100).
 
     Example:
         collator = make_collator(tokenizer, packing=True)  # one row per batch, per-example position_ids
@@ -32,7 +38,11 @@ def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool, pad_to_mult
     """
     if packing:
         return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
-    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=pad_to_multiple_of)
+    # DataCollatorForSeq2Seq pads inputs and labels on `tokenizer.padding_side`: give it a shallow copy that pads on
+    # the right, and leave the shared tokenizer (saved with the model, used for generation) as it was.
+    right_padding = copy.copy(tokenizer)
+    right_padding.padding_side = "right"
+    return DataCollatorForSeq2Seq(right_padding, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=pad_to_multiple_of)
 
 
 def is_packed_batch(inputs: dict) -> bool:

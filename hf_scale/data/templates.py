@@ -5,6 +5,11 @@ the model is given, the response what it learns to write; the boundary between t
 starts. Templates never end the prompt with a space that the response's first word would absorb (LLaMA-2
 chat puts that space at the start of the response instead), so tokenizing the whole text keeps the boundary
 on a token boundary.
+
+A response ends with EOS, which the tokenizer step appends, unless the template closes the turn itself: a
+tokenizer's chat template ends an assistant turn with its own token (ChatML's `<|im_end|>`, LLaMA-3's
+`<|eot_id|>`, LLaMA-2's `</s>`), and that token is then the end of the response, trained on, and where
+generation stops.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ class PromptTemplate:
     without_input: str
     response: str = "{output}"
     system: str = ""
+    # The special token that `response` ends with and that closes the turn (a chat template's `<|im_end|>`);
+    # empty: the tokenizer step appends EOS instead. Generation stops at it too.
+    end_of_turn: str = ""
 
     def format_prompt(self, instruction: str, input_text: str = "") -> str:
         wording = self.with_input if input_text else self.without_input
@@ -128,17 +136,63 @@ def _user_template(text: str) -> PromptTemplate:
 
 
 def _chat_template(tokenizer: PreTrainedTokenizerBase | None, system_prompt: str | None) -> PromptTemplate:
+    """The tokenizer's chat template rendered once with placeholders: the prompt and the assistant's turn.
+
+    The prompt is the generation prompt (`add_generation_prompt=True`). The response is what the same template
+    renders after it for an answered turn, up to the first special token that follows the answer: the turn's
+    end (`<|im_end|>`, `<|eot_id|>`, LLaMA-2's `</s>`), which the model must learn to write, since generation
+    with the chat format stops there and not at EOS. What follows that token (ChatML's newline) separates turns
+    and is not part of the response. A turn closed by no special token keeps its text without trailing
+    whitespace, and EOS is appended to it as to any template's.
+    """
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ConfigError("template: chat_template needs a tokenizer that has a chat template")
-    marker = "\x00INSTRUCTION\x00"
+    marker, answer = "\x00INSTRUCTION\x00", "\x00OUTPUT\x00"
 
-    def render(user: str) -> str:
+    def render(user: str, output: str | None = None) -> str:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": user})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if output is not None:
+            messages.append({"role": "assistant", "content": output})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=output is None)
         if tokenizer.bos_token and text.startswith(tokenizer.bos_token):
             text = text[len(tokenizer.bos_token) :]  # the tokenizer step adds BOS once
-        return text.replace("{", "{{").replace("}", "}}").replace(marker, "{instruction}")
+        return text
 
-    with_input = render(marker + "\n\n\x00INPUT\x00").replace("\x00INPUT\x00", "{input}")
-    return PromptTemplate(name=CHAT_TEMPLATE, with_input=with_input, without_input=render(marker))
+    def escaped(text: str) -> str:  # literal braces survive str.format
+        return text.replace("{", "{{").replace("}", "}}")
+
+    prompt, answered = render(marker), render(marker, answer)
+    if not answered.startswith(prompt) or answer not in answered[len(prompt) :]:
+        raise ConfigError(
+            "template: the tokenizer's chat template renders an answered conversation that does not start with the "
+            "generation prompt followed by the answer, so the prompt trained on would differ from the prompt "
+            "generated from; use a template that renders both alike, or a JSON user template"
+        )
+    before, after = answered[len(prompt) :].split(answer, 1)
+    after, end_of_turn = _through_end_of_turn(tokenizer, after)
+    with_input = escaped(render(marker + "\n\n\x00INPUT\x00")).replace("\x00INPUT\x00", "{input}")
+    return PromptTemplate(
+        name=CHAT_TEMPLATE,
+        with_input=with_input.replace(marker, "{instruction}"),
+        without_input=escaped(prompt).replace(marker, "{instruction}"),
+        response=escaped(before) + "{output}" + escaped(after),
+        end_of_turn=end_of_turn,
+    )
+
+
+def _through_end_of_turn(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[str, str]:
+    """`text` (what a chat template writes after the answer) up to and with its first special token, and that token.
+
+    Without a special token: `text` without trailing whitespace, and no end-of-turn token.
+    """
+    special = set(tokenizer.all_special_ids)
+    # Added special tokens that are none of bos/eos/unk/pad (ChatML's <|im_end|>) are marked on the token itself.
+    special.update(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+    for token_id in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        if token_id in special:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+            start = text.find(token)
+            if start >= 0:  # special tokens are matched verbatim, so it is there
+                return text[: start + len(token)], token
+    return text.rstrip(), ""

@@ -3,8 +3,10 @@
 The whole text (prompt + response) is tokenized once, as the model will read it, and each token is labelled
 by where its characters lie: a token that ends inside the prompt is -100, every other token is trained on.
 So the mask follows whatever the tokenizer did at the boundary instead of assuming `len(tokenize(prompt))`
-(the Stanford-Alpaca way, off whenever BPE merges across the boundary). BOS is added once, EOS is appended
-and always labelled (also when pad == eos). Over-long records follow a truncation policy, and every record
+(the Stanford-Alpaca way, off whenever BPE merges across the boundary). BOS is added once. EOS is appended
+and always labelled (also when pad == eos), unless the template's response already closes the turn with its
+own token (a chat template's `<|im_end|>`, or LLaMA-2's `</s>`): that token, part of the response text, is
+then the labelled end, and no EOS follows it. Over-long records follow a truncation policy, and every record
 cut or dropped is counted in the summary.
 """
 
@@ -139,7 +141,9 @@ def _tokenize_batch(
     # which an earlier `tokenizer(..., padding="max_length")` leaves set on the backend.
     encodings = tokenizer(texts, add_special_tokens=False).encodings
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = tokenizer.eos_token_id
+    # A template whose response ends the turn itself (<|im_end|>, LLaMA-2 chat's " </s>") needs no EOS after it:
+    # the model learns to close its turn as the chat format does, and EOS is never doubled.
+    eos = [] if template.end_of_turn else [tokenizer.eos_token_id]
     rows: dict[str, list] = {
         name: [] for name in ("input_ids", "attention_mask", "labels", "outcome", "boundary_merge", "label_tokens")
     }
@@ -150,7 +154,7 @@ def _tokenize_batch(
         n_prompt = _first_token_at_or_after(encoding, len(prompt), len(text), default=len(ids))
         merge = n_prompt < len(ids) and encoding.offsets[n_prompt][0] < len(prompt)
         source = bos + ids[:n_prompt]
-        target = [*ids[n_prompt:], eos]
+        target = [*ids[n_prompt:], *eos]
         outcome, source, target = _fit(source, target, len(bos), max_length, truncation)
         labels = []
         if outcome in KEPT:

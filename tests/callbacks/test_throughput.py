@@ -1,14 +1,19 @@
 """ThroughputCallback: token counts equal those of the batches, TFLOP/s follow from them, figures reach the logs."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import TrainerCallback
+from peft import LoraConfig, get_peft_model
+from transformers import TrainerCallback, TrainingArguments
 
-from hf_scale.callbacks.throughput import batch_counts
+from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.callbacks import throughput
+from hf_scale.callbacks.throughput import ThroughputCallback, batch_counts, tensor_parallel_size
 from hf_scale.data.batching import make_collator
-from hf_scale.flops import training_flops_per_token
+from hf_scale.flops import attention_flops_per_token, matmul_parameters, training_flops_per_token
+from hf_scale.tiny.build import build_tiny_model
 from tests.callbacks.throughput_worker import EXAMPLES, tiny_setup, train
 from tests.helpers import run_command, torchrun
 
@@ -120,6 +125,80 @@ def test_two_processes_sum_tokens_and_divide_tflops_by_the_world_size(tiny, tmp_
     assert len(logs) == 2  # 64 examples / (8 per device x 2 processes) = 4 steps, a log every 2
     assert logs[-1]["real_tokens_seen"] == dataset_totals(dataset)[0]  # both shards, summed
     for log in logs:
+        assert log["tflops_per_device"] == pytest.approx(
+            log["real_tokens_per_second"] * log["flops_per_token"] / 1e12 / 2
+        )
+
+
+def test_tensor_parallel_size_comes_from_the_deepspeed_config(tmp_path):
+    assert tensor_parallel_size(ScaleTrainingArguments(output_dir=str(tmp_path))) == 1
+    assert tensor_parallel_size(TrainingArguments(output_dir=str(tmp_path))) == 1
+    # a stock TrainingArguments with DeepSpeed keeps the parsed config in hf_deepspeed_config
+    stock = SimpleNamespace(hf_deepspeed_config=SimpleNamespace(config={"tensor_parallel": {"autotp_size": 4}}))
+    assert tensor_parallel_size(stock) == 4
+
+
+def test_tensor_parallel_ranks_that_share_a_batch_count_it_once(tiny, monkeypatch):
+    # Two processes of one AutoTP group, faked: each counted the same batch, so the all-reduce sums it twice.
+    tokenizer, dataset = tiny
+    batch = make_collator(tokenizer, packing=False)([dataset[i] for i in range(8)])
+    tokens = int(batch["attention_mask"].sum())
+
+    def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM):
+        if op == torch.distributed.ReduceOp.SUM:
+            tensor.mul_(2)  # two ranks, the same counts
+
+    monkeypatch.setattr(throughput, "_distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    callback = ThroughputCallback(model_config=build_tiny_model(tokenizer).config)
+    callback.on_train_begin(SimpleNamespace(tensor_parallel_size=2), None, None)
+    callback.count_batch(batch)
+    logs = {"loss": 1.0}
+    callback.update_logs(logs, "cpu")
+    assert logs["real_tokens_seen"] == tokens
+    assert logs["samples_per_second"] / logs["real_tokens_per_second"] == pytest.approx(8 / tokens)
+    assert logs["tflops_per_device"] == pytest.approx(
+        logs["real_tokens_per_second"] * logs["flops_per_token"] / 1e12 / 2
+    )
+
+
+def test_lora_reports_the_flops_of_a_frozen_base(tiny, tmp_path):
+    tokenizer, dataset = tiny
+    model = get_peft_model(build_tiny_model(tokenizer), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    trainer = train(tokenizer, dataset, str(tmp_path), False, model=model, logging_steps=EXAMPLES // 8)
+    (log,) = training_logs(trainer.state.log_history)
+    tokens, squared = dataset_totals(dataset)
+    config, seq_len = model.config, squared / tokens
+    adapters = 3 * 2 * (8 * 64 + 64 * 8)  # rank 8 A and B on q and v of the 3 layers
+    # forward and input gradients through every weight, weight gradients only for the adapters
+    expected = 4 * matmul_parameters(config) + 6 * adapters + attention_flops_per_token(config, seq_len)
+    assert log["flops_per_token"] == pytest.approx(expected)
+    assert log["flops_per_token"] < 0.8 * training_flops_per_token(config, seq_len)  # the full fine-tuning figure
+    assert log["tflops_per_device"] == pytest.approx(log["real_tokens_per_second"] * expected / 1e12)
+
+
+@pytest.mark.slow
+def test_autotp_counts_each_batch_once_not_once_per_tensor_parallel_rank(tiny, tmp_path):
+    # AutoTP over both processes: one data-parallel group whose two ranks train on the SAME batches, each
+    # computing half of every split layer. The tokens trained on are those of that one group's batches.
+    _, dataset = tiny
+    output = tmp_path / "logs.json"
+    result = run_command(
+        torchrun("tests/callbacks/throughput_worker.py", str(output), "padded", "autotp"),
+        timeout=400,
+        HF_SCALE_CACHE=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    recorded = json.loads(output.read_text())
+    assert recorded["world_size"] == 2
+    logs = training_logs(recorded["log_history"])
+    # 64 examples / (8 per step x 1 data-parallel group) = 8 steps, a log every 2: each rank saw the whole epoch
+    assert len(logs) == 4
+    seen = [log["real_tokens_seen"] for log in logs]
+    assert seen == sorted(seen) and seen[-1] == dataset_totals(dataset)[0]  # once, not x2 for the two TP ranks
+    for log in logs:
+        # every device does 1/world of the model FLOPs of the batches counted once
         assert log["tflops_per_device"] == pytest.approx(
             log["real_tokens_per_second"] * log["flops_per_token"] / 1e12 / 2
         )

@@ -1,6 +1,6 @@
 """Train the tiny model with a ThroughputCallback; shared by the tests and run by torchrun for the 2-process test.
 
-torchrun --nproc_per_node 2 tests/callbacks/throughput_worker.py OUTPUT_JSON [padded|packed]
+torchrun --nproc_per_node 2 tests/callbacks/throughput_worker.py OUTPUT_JSON [padded|packed] [ZERO_PRESET]
 """
 
 import json
@@ -34,9 +34,11 @@ def train(
     output_dir: str,
     packing: bool,
     callbacks: list | None = None,
+    model=None,
     **arguments,
 ):
-    """Train one epoch (by default) and return the trainer; its ThroughputCallback comes after `callbacks`."""
+    """Train `model` (by default a new tiny model) one epoch (by default) and return the trainer; its
+    ThroughputCallback comes after `callbacks`."""
     arguments = {"num_train_epochs": 1, "per_device_train_batch_size": 8, **arguments}
     args = ScaleTrainingArguments(
         output_dir=output_dir,
@@ -49,7 +51,7 @@ def train(
         **arguments,
     )
     trainer = ScaleTrainer(
-        model=build_tiny_model(tokenizer),
+        model=model if model is not None else build_tiny_model(tokenizer),
         args=args,
         train_dataset=dataset,
         data_collator=make_collator(tokenizer, packing=packing),
@@ -59,14 +61,17 @@ def train(
     return trainer
 
 
-def main(output: str, batching: str) -> None:
+def main(output: str, batching: str, zero_preset: str | None = None) -> None:
     tokenizer, dataset = tiny_setup()
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = train(tokenizer, dataset, output_dir, packing=batching == "packed", logging_steps=2)
+        trainer = train(
+            tokenizer, dataset, output_dir, packing=batching == "packed", logging_steps=2, zero_preset=zero_preset
+        )
     if trainer.is_world_process_zero():
         with open(output, "w") as file:
             json.dump({"world_size": trainer.args.world_size, "log_history": trainer.state.log_history}, file)
+    trainer.accelerator.end_training()  # a gloo thread still running at exit can abort a run that went well
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "padded")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "padded", sys.argv[3] if len(sys.argv) > 3 else None)

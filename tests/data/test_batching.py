@@ -1,6 +1,6 @@
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.data.batching import is_packed_batch, make_collator, padding_fraction
@@ -80,6 +80,42 @@ def test_padded_batches_pad_labels_with_ignore_index(setup):
         n = len(example["input_ids"])
         assert batch["labels"][row, :n].tolist() == example["labels"]
         assert (batch["labels"][row, n:] == IGNORE_INDEX).all() and (batch["attention_mask"][row, n:] == 0).all()
+
+
+@torch.no_grad()
+def test_a_tokenizer_saved_with_left_padding_still_pads_training_batches_on_the_right(setup, tiny_model_dir, tmp_path):
+    # Many chat models save padding_side="left" (for generation). Left-padded training shifts every shorter
+    # example: LLaMA takes positions from the cache positions, not the attention mask, so its loss changes.
+    # (transformers 5 saves the padding side given when loading; one set on the attribute afterwards is not saved)
+    AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left").save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer.padding_side == "left"  # as saved: what the tokenizer says for generation is kept
+    _, examples, _ = setup
+    pair = [examples[0], examples[2]]
+    assert len(pair[0]["input_ids"]) < len(pair[1]["input_ids"])  # the first one is padded
+
+    batch = make_collator(tokenizer, packing=False)(pair)
+
+    for row, example in enumerate(pair):
+        n = len(example["input_ids"])
+        assert batch["input_ids"][row, :n].tolist() == example["input_ids"]
+        assert batch["labels"][row, :n].tolist() == example["labels"]
+        assert (batch["attention_mask"][row, :n] == 1).all() and (batch["attention_mask"][row, n:] == 0).all()
+        assert (batch["labels"][row, n:] == IGNORE_INDEX).all()
+    # The batch's loss is the token-weighted mean of each example's loss alone, unpadded. LLaMA's rotary positions
+    # are relative, so its loss would come out the same padded left; a model with learned absolute positions
+    # (GPT-2's) shows what left padding does to training: measured here, 6.2746 left against 6.2288 alone.
+    torch.manual_seed(0)
+    absolute = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    absolute.bos_token_id = absolute.eos_token_id = tokenizer.eos_token_id
+    for model in (
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa").eval(),
+        GPT2LMHeadModel(absolute).eval(),
+    ):
+        sums, counts = zip(*(loss_sum_and_count(model, example) for example in pair), strict=True)
+        expected = (torch.stack(sums).sum() / torch.stack(counts).sum()).item()
+        assert model(**batch).loss.item() == pytest.approx(expected, abs=1e-5), type(model).__name__
+    assert tokenizer.padding_side == "left"  # the collator pads right without changing the shared tokenizer
 
 
 def test_padding_fractions():

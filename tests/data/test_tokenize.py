@@ -9,6 +9,7 @@ from hf_scale.data.loading import load_records
 from hf_scale.data.templates import ALPACA, TEMPLATES, get_template
 from hf_scale.data.tokenize import IGNORE_INDEX, prompt_ids, tokenize_records
 from hf_scale.tiny import generate_tasks
+from tests.data.chat_tokenizers import chatml_tokenizer, llama2_tokenizer
 from tests.helpers import SHARED_DATA
 
 RECORDS = [
@@ -178,3 +179,42 @@ def test_padding_left_on_the_tokenizer_by_an_earlier_call_does_not_leak_in(token
     tokenizer(["a few words"], padding="max_length", max_length=300, truncation=True)  # sets the Rust backend
     dataset, _ = tokenize_records(RECORDS[:2], tokenizer, ALPACA, max_length=256)
     assert all(len(ids) < 100 and tokenizer.pad_token_id not in ids for ids in dataset["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "build, end_of_turn, response, eos_count",
+    [
+        # ChatML: the turn ends with <|im_end|>; EOS (<|endoftext|>) is not part of the chat format at all.
+        (chatml_tokenizer, "<|im_end|>", "{}<|im_end|>", 0),
+        # LLaMA-2 chat: the template's own " </s>" closes the turn; no second EOS after it.
+        (llama2_tokenizer, "</s>", " {} </s>", 1),
+    ],
+)
+def test_a_chat_templates_end_of_turn_is_trained_on_and_eos_is_not_doubled(
+    tiny_model_dir, build, end_of_turn, response, eos_count
+):
+    tokenizer = build(tiny_model_dir)
+    template = get_template("chat_template", tokenizer=tokenizer)
+    dataset, summary = tokenize_records(RECORDS, tokenizer, template, max_length=256)
+    assert summary.examples == len(RECORDS) and summary.boundary_merges == 0
+    end_id = tokenizer.convert_tokens_to_ids(end_of_turn)
+    for record, example in zip(RECORDS, dataset, strict=True):
+        ids, labels = example["input_ids"], example["labels"]
+        prompt = prompt_ids(tokenizer, template.format_prompt(record["instruction"], record.get("input") or ""))
+        assert ids[: len(prompt)] == prompt and ids.count(tokenizer.bos_token_id) == 1
+        assert labels[: len(prompt)] == [IGNORE_INDEX] * len(prompt)  # the whole prompt is masked
+        trained = labels[len(prompt) :]
+        assert trained == ids[len(prompt) :]  # everything after it is trained on ...
+        assert trained[-1] == end_id  # ... and ends where the chat format closes the turn
+        assert ids.count(tokenizer.eos_token_id) == eos_count
+        assert tokenizer.decode(trained) == response.format(record["output"])
+
+
+def test_a_response_cut_at_max_length_loses_its_end_of_turn(tiny_model_dir):
+    tokenizer = chatml_tokenizer(tiny_model_dir)
+    template = get_template("chat_template", tokenizer=tokenizer)
+    n_prompt = len(prompt_ids(tokenizer, template.format_prompt(LONG["instruction"], LONG["input"])))
+    dataset, summary = tokenize_records([LONG], tokenizer, template, max_length=n_prompt + 3)
+    assert summary.response_cut == 1
+    trained = [t for t in dataset[0]["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "123"  # did not end: no end of turn taught here

@@ -13,6 +13,7 @@ Each rank also writes the weights it holds to rank<N>.safetensors.
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -68,6 +69,8 @@ def main() -> None:
     worker.add_argument("--save_final", action="store_true")
     worker.add_argument("--ascent_after", type=int)
     worker.add_argument("--kill_during_saves", type=int, default=0)
+    worker.add_argument("--fail_save_step", type=int)  # the checkpoint save of this step fails (disk full) ...
+    worker.add_argument("--fail_save_rank", type=int, default=1)  # ... on this rank only
     worker.add_argument("--packing", action="store_true")
     worker.add_argument("--lora", action="store_true")  # rank 8 on q/v, modules_to_save none
     worker.add_argument("--output_dir", required=True)  # also passed on to the Trainer
@@ -112,6 +115,8 @@ def main() -> None:
     trainer_class = ScaleTrainer if options.ascent_after is None else ascending_after(options.ascent_after)
     if attempt < options.kill_during_saves:
         trainer_class = killed_during_a_save(attempt, args.process_index, Path(args.output_dir))
+    if options.fail_save_step is not None and args.process_index == options.fail_save_rank:
+        trainer_class = failing_save(options.fail_save_step)
     trainer = trainer_class(
         model=model,
         args=args,
@@ -195,6 +200,27 @@ def killed_during_a_save(attempt: int, rank: int, output_dir: Path) -> type[Scal
                 print(f"save took {time.monotonic() - started:.3f} s, kill after {delay:.3f} s", flush=True)
 
     return KilledDuringASave
+
+
+def failing_save(step: int) -> type[ScaleTrainer]:
+    """A ScaleTrainer whose checkpoint save at `step` fails as a full disk does (torch.save raises ENOSPC)."""
+
+    class FailingSave(ScaleTrainer):
+        def _save_checkpoint(self, model, trial):
+            if self.state.global_step != step:
+                return super()._save_checkpoint(model, trial)
+            original = torch.save
+
+            def full_disk(*args, **kwargs):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            torch.save = full_disk
+            try:
+                return super()._save_checkpoint(model, trial)
+            finally:
+                torch.save = original
+
+    return FailingSave
 
 
 def eval_loss_of_folder(folder, tokenizer) -> float:

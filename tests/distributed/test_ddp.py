@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from hf_scale.checkpoints import last_complete_checkpoint
 from tests.helpers import free_port, python_bin, run_command, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
@@ -86,3 +87,56 @@ def test_two_nodes_on_loopback_train_together(tmp_path, tiny_model_dir):
     assert node0["world_size"] == node1["world_size"] == 2
     assert node0["wrapper"] == node1["wrapper"] == "DistributedDataParallel"
     assert node0["end_digest"] == node1["end_digest"] != node0["start_digest"]
+
+
+def test_a_save_that_fails_on_one_node_ends_both_with_its_reason_and_no_partial_checkpoint(tmp_path, tiny_model_dir):
+    """Two nodes (no launcher watches both): node 1's checkpoint save fails with a full disk. Both processes stop
+    at once with the reason; the folder is left by the others' writes only after all stopped writing, and removed.
+    Before, node 1 raised alone and removed the folder node 0 was still writing, and node 0 waited in the next
+    collective for ddp_timeout (30 minutes by default; 90 s here)."""
+    import subprocess
+    import time
+
+    from tests.helpers import REPO_ROOT, launch_env
+
+    port = str(free_port())
+    flags = [WORKER, "--output_dir", str(tmp_path), "--save_strategy", "steps", "--save_steps", "2"]
+    flags += ["--fail_save_step", "4", "--fail_save_rank", "1", "--ddp_timeout", "90"]
+    started = time.monotonic()
+    nodes = [
+        subprocess.Popen(
+            [
+                python_bin("torchrun"),
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                *flags,
+            ],
+            cwd=REPO_ROOT,
+            env=launch_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    seconds = time.monotonic() - started
+    assert [node.returncode for node in nodes] == [1, 1], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert seconds < 60, f"the job took {seconds:.0f} s: a node waited for the failed one"
+    for _, stderr in outputs:
+        assert "could not save checkpoint" in stderr and "checkpoint-4" in stderr and "rank 1" in stderr, stderr[-3000:]
+        assert "No space left on device" in stderr
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]  # no partial checkpoint-4
+    assert last_complete_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
