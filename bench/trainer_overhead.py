@@ -1,6 +1,6 @@
 """Does ScaleTrainer cost anything over the plain Trainer? Both train the tiny model side by side.
 
-    make bench        # or: python bench/trainer_overhead.py --steps 200 --rounds 3
+    make bench        # or: python bench/trainer_overhead.py --steps 200 --rounds 5
 
 Each round trains the same model from the same weights on the same batches with `transformers.Trainer` and
 with `ScaleTrainer`, alternating which goes first, and prints steps/s for each and their ratio. The machines
@@ -49,7 +49,7 @@ def steps_per_second(trainer_class, args_class, path, dataset, tokenizer, steps:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     options = parser.parse_args()
 
     path = ensure_tiny_model()
