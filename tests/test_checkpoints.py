@@ -13,7 +13,7 @@ from hf_scale.checkpoints import (
     remove_incomplete_checkpoints,
 )
 from tests.checkpoint_fault_driver import MAX_STEPS
-from tests.helpers import assert_same_weights, run_command
+from tests.helpers import assert_same_weights, assert_succeeded, run_command
 
 KILLS = 20
 
@@ -35,7 +35,7 @@ def test_only_marked_checkpoints_count(tmp_path):
 @pytest.mark.slow
 def test_kills_during_checkpoint_saves_never_break_resume(tmp_path, tiny_model_dir):
     result = run_command([sys.executable, "tests/checkpoint_fault_driver.py", str(tmp_path), str(KILLS), "1"], 900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     report = json.loads((tmp_path / "report.json").read_text())
     events = report["events"]
     assert len(events) == KILLS and all(event["checkpoint"] for event in events), events  # each kill hit a save
@@ -54,7 +54,7 @@ def test_a_requeue_loop_of_random_kills_ends_at_the_unbroken_step_and_weights(tm
     result = run_command(
         [sys.executable, "tests/checkpoint_fault_driver.py", str(tmp_path), "30", "2", "anytime"], timeout=900
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     report = json.loads((tmp_path / "report.json").read_text())
     events = report["events"]
     assert "exit" in events[-1] and events[-1]["exit"] == 0, events  # relaunched until done

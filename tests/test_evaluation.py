@@ -17,7 +17,7 @@ from hf_scale.metrics import load_metric
 from hf_scale.modeling import load_tokenizer
 from hf_scale.tiny import generate_tasks
 from tests.data.chat_tokenizers import chatml_tokenizer
-from tests.helpers import run_command, torchrun
+from tests.helpers import assert_succeeded, run_command, torchrun
 
 
 class ScriptedModel(torch.nn.Module):
@@ -228,7 +228,7 @@ def test_metric_modules_load_offline_by_path_from_the_package(tmp_path):
         HF_MODULES_CACHE=str(tmp_path / "modules"),
         HF_HOME=str(tmp_path / "hf_home"),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     assert result.stdout.splitlines() == ["{'exact_match': 0.0}", f"{{'token_f1': {2 * 0.5 / 1.5}}}"]
 
 
@@ -237,7 +237,7 @@ def peak_growth(model_dir: Path, method: str, n_records: int) -> float:
     result = run_command(
         [sys.executable, "tests/eval_memory_worker.py", str(model_dir), method, str(n_records)], timeout=300
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     return json.loads(result.stdout.splitlines()[-1])["peak_growth_mib"]
 
 
@@ -274,7 +274,7 @@ def test_two_ranks_give_the_one_rank_metrics(tiny_model_dir, tmp_path):
     worker = "tests/generation_metrics_worker.py"
     result = run_command(torchrun(worker, str(tiny_model_dir), str(records_file), str(tmp_path), "3", "6"), timeout=300)
 
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert [len(r["responses"]) for r in ranks] == [7, 6]

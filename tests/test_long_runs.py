@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from tests.helpers import python_bin, run_command, torchrun
+from tests.helpers import assert_succeeded, python_bin, run_command, torchrun
 
 pytestmark = pytest.mark.slow
 LIMIT = 2
@@ -26,7 +26,7 @@ def test_depth_memory_and_step_time_stay_flat(tmp_path, tiny_model_dir, processe
     else:
         command = torchrun("tests/long_run_worker.py", str(tmp_path), str(steps), processes=processes)
     result = run_command(command, timeout=900)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert_succeeded(result, result.stdout[-2000:] + result.stderr[-4000:])
     for rank in range(processes):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["world_size"] == processes and len(report["depths"]) == steps

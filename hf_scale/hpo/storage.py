@@ -27,6 +27,7 @@ from hf_scale.errors import ConfigError
 DEFAULT_STUDY_FILE = "optuna_study.db"
 JOURNAL_PREFIX = "journal:"
 HEARTBEAT_KEY = "hf_scale:heartbeat"
+SCHEMA_RACE_ATTEMPTS = 5
 
 
 @contextlib.contextmanager
@@ -81,17 +82,27 @@ def open_storage(
         engine_kwargs["connect_args"] = {"timeout": 60}
     else:
         engine_kwargs["pool_pre_ping"] = True  # a connection dropped during a long trial is replaced, not fatal
-    try:
-        with quiet_experimental():
-            return RDBStorage(
-                spec,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=heartbeat_interval,
-                grace_period=grace,
-                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
-            )
-    except Exception as error:  # the driver's message, never the URL with its password
-        raise ConfigError(f"storage {mask_url(spec)}: cannot open it: {mask_url(str(error))}") from None
+    from sqlalchemy.exc import IntegrityError
+
+    # Workers started together on a fresh database all create Optuna's tables: the losers of that race get a
+    # duplicate-key error from CREATE TYPE/TABLE, and the tables exist once the winner is done, so they try again.
+    for attempt in range(SCHEMA_RACE_ATTEMPTS):
+        try:
+            with quiet_experimental():
+                return RDBStorage(
+                    spec,
+                    engine_kwargs=engine_kwargs,
+                    heartbeat_interval=heartbeat_interval,
+                    grace_period=grace,
+                    heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
+                )
+        except IntegrityError:
+            if attempt == SCHEMA_RACE_ATTEMPTS - 1:
+                raise ConfigError(f"storage {mask_url(spec)}: another worker kept creating its tables") from None
+            time.sleep(1 + attempt)
+        except Exception as error:  # the driver's message, never the URL with its password
+            raise ConfigError(f"storage {mask_url(spec)}: cannot open it: {mask_url(str(error))}") from None
+    raise AssertionError("unreachable")
 
 
 class JournalHeartbeat:

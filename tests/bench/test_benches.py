@@ -5,14 +5,14 @@ import sys
 
 import pytest
 
-from tests.helpers import SHARED_DATA, run_command
+from tests.helpers import SHARED_DATA, assert_succeeded, run_command
 
 pytestmark = pytest.mark.slow
 
 
 def test_trainer_overhead_prints_the_ratio(tiny_model_dir):
     result = run_command([sys.executable, "bench/trainer_overhead.py", "--steps", "5", "--rounds", "1"], timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     ratio = re.search(r"ScaleTrainer / Trainer throughput ratio .*: ([0-9.]+)", result.stdout)
     assert ratio and float(ratio.group(1)) > 0
 
@@ -21,7 +21,7 @@ def test_trainer_overhead_prints_the_ratio(tiny_model_dir):
 def test_data_pipeline_prints_both_sets():
     quick = ["--vocab-size", "2000", "--repeats", "1", "--steps", "3", "--rounds", "1"]
     result = run_command([sys.executable, "bench/data_pipeline.py", *quick], timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith(("| en |", "| zh |"))]
     assert [row[1] for row in rows] == ["999", "1000"]  # records of each set
     assert [row[9] for row in rows] == ["0.0%", "0.0%"]  # packing leaves no padding
@@ -30,7 +30,7 @@ def test_data_pipeline_prints_both_sets():
 def test_hpo_prints_both_backends_and_the_speed_ups(tiny_model_dir):
     quick = ["--only", "single", "--seeds", "7", "--trials", "2", "--steps", "8", "--eval_steps", "4"]
     result = run_command([sys.executable, "bench/hpo.py", *quick], timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     rows = [line.split() for line in result.stdout.splitlines() if line.strip().startswith("1     7")]
     assert [row[2] for row in rows] == ["stock", "hf_scale"]
     assert rows[0][5] == rows[1][5]  # the same training and trials on both sides: the same best eval loss

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.helpers import SHARED_DATA, run_command
+from tests.helpers import SHARED_DATA, assert_succeeded, run_command
 
 pytestmark = pytest.mark.slow  # about 20 s alone, 40 s on two busy cores: mostly imports
 
@@ -23,7 +23,7 @@ def result(tmp_path_factory):
     command = [sys.executable, "-c", WITHOUT_DEEPSPEED, "bench/gpu_throughput.py", "--size", "tiny"]
     command += ["--steps", "3", "--warmup-steps", "1", "--batch-size", "4", "--max-length", "128"]
     completed = run_command([*command, "--output", str(output)], timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert_succeeded(completed, completed.stderr[-3000:])
     return json.loads(output.read_text()), completed.stdout
 
 

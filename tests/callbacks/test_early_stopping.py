@@ -10,7 +10,7 @@ import pytest
 
 from hf_scale.modeling import load_tokenizer
 from tests.distributed.ddp_worker import eval_loss_of_folder
-from tests.helpers import run_command, torchrun
+from tests.helpers import assert_succeeded, run_command, torchrun
 
 PATIENCE = 2
 FLAGS = [
@@ -27,7 +27,7 @@ def test_stops_after_patience_and_ends_with_the_best_weights(tmp_path, tiny_mode
     flags = [*FLAGS, *(["--zero_preset", preset] if preset else [])]
     command = torchrun("tests/distributed/ddp_worker.py", "--output_dir", str(tmp_path), *flags, processes=processes)
     result = run_command(command, timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(processes)]
     report = reports[0]
     assert len({r["global_step"] for r in reports}) == 1  # every rank stopped at the same step

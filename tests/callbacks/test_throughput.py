@@ -15,7 +15,7 @@ from hf_scale.data.batching import make_collator
 from hf_scale.flops import attention_flops_per_token, matmul_parameters, training_flops_per_token
 from hf_scale.tiny.build import build_tiny_model
 from tests.callbacks.throughput_worker import EXAMPLES, tiny_setup, train
-from tests.helpers import run_command, torchrun
+from tests.helpers import assert_succeeded, run_command, torchrun
 
 FIGURES = ("real_tokens_per_second", "samples_per_second", "flops_per_token", "tflops_per_device", "peak_memory_gib")
 
@@ -118,7 +118,7 @@ def test_two_processes_sum_tokens_and_divide_tflops_by_the_world_size(tiny, tmp_
         timeout=300,
         HF_SCALE_CACHE=str(tmp_path),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     recorded = json.loads(output.read_text())
     assert recorded["world_size"] == 2
     logs = training_logs(recorded["log_history"])
@@ -189,7 +189,7 @@ def test_autotp_counts_each_batch_once_not_once_per_tensor_parallel_rank(tiny, t
         timeout=400,
         HF_SCALE_CACHE=str(tmp_path),
     )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert_succeeded(result, result.stdout[-2000:] + result.stderr[-3000:])
     recorded = json.loads(output.read_text())
     assert recorded["world_size"] == 2
     logs = training_logs(recorded["log_history"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_command, torchrun
+from tests.helpers import assert_succeeded, run_command, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
 # 20 steps of batch 8 per rank, a loss logged each step, checkpoints at 10 and 20, evaluated and saved at the end.
@@ -37,7 +37,7 @@ def reference_run(tmp_path_factory, tiny_model_dir) -> Callable[[str | None], Re
             folder = tmp_path_factory.mktemp(f"reference-{preset or 'ddp'}")
             flags = [*REFERENCE_FLAGS, *(["--zero_preset", preset] if preset else [])]
             result = run_command(torchrun(WORKER, "--output_dir", str(folder), *flags), timeout=400)
-            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+            assert_succeeded(result, result.stdout[-2000:] + result.stderr[-3000:])
             reports = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
             runs[preset] = ReferenceRun(folder, result.stdout, reports)
         return runs[preset]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from hf_scale.checkpoints import last_complete_checkpoint
-from tests.helpers import REPO_ROOT, free_port, launch_env, python_bin, run_command, torchrun
+from tests.helpers import REPO_ROOT, assert_succeeded, free_port, launch_env, python_bin, run_command, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ def reports(output_dir, world_size):
 def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir, evaluate_first):
     flags = ["--evaluate_first"] if evaluate_first else []
     result = run_command(torchrun(WORKER, "--output_dir", str(tmp_path), *flags), timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     rank0, rank1 = reports(tmp_path, 2)
     assert rank0["world_size"] == rank1["world_size"] == 2
     assert rank0["wrapper"] == rank1["wrapper"] == "DistributedDataParallel"

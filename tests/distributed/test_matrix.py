@@ -15,7 +15,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import run_command, torchrun
+from tests.helpers import assert_succeeded, run_command, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
 FACTORS = {
@@ -86,7 +86,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> dict:
         folder = tmp_path_factory.mktemp(row_id(row))
         command = torchrun(WORKER, "--output_dir", str(folder), *flags(row), processes=row[0])
         result = run_command(command, timeout=400)
-        assert result.returncode == 0, row_id(row) + result.stdout[-2000:] + result.stderr[-4000:]
+        assert_succeeded(result, row_id(row) + result.stdout[-2000:] + result.stderr[-4000:])
         report = json.loads((folder / "rank0.json").read_text())
         results[row] = (report, load_file(folder / "rank0.safetensors"))
     return results

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from hf_scale.checkpoints import last_complete_checkpoint
-from tests.helpers import assert_same_weights, run_command, torchrun
+from tests.helpers import assert_same_weights, assert_succeeded, run_command, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
 STEPS = ["--max_steps", "20", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "10"]  # as conftest's
@@ -34,6 +34,6 @@ def test_killed_rank_ends_the_job_and_resume_reaches_the_unbroken_weights(tmp_pa
     assert last_complete_checkpoint(broken) == broken / "checkpoint-10"
 
     resumed = launch(broken, *flags, "--resume", "true")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_succeeded(resumed, resumed.stderr[-3000:])
     for rank in (0, 1):
         assert_same_weights(unbroken / f"rank{rank}.safetensors", broken / f"rank{rank}.safetensors")

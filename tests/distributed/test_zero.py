@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_scale.modeling import load_tokenizer
 from tests.distributed.ddp_worker import eval_loss_of_folder
-from tests.helpers import run_command, torchrun
+from tests.helpers import assert_succeeded, run_command, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
 STEPS = ["--max_steps", "20", "--logging_steps", "1"]
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def train(output_dir, *flags):
     result = run_command(torchrun(WORKER, "--output_dir", str(output_dir), *STEPS, *flags), timeout=400)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert_succeeded(result, result.stdout[-2000:] + result.stderr[-3000:])
     return [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

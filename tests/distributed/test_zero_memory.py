@@ -7,7 +7,7 @@ import pytest
 from hf_scale.hardware import get_gpu
 from hf_scale.memory import Workload, estimate
 from hf_scale.model_shapes import model_shape
-from tests.helpers import run_command, torchrun
+from tests.helpers import assert_succeeded, run_command, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ def test_planner_matches_the_engines_tensors(tmp_path, tiny_model_dir, preset):
     result = run_command(
         torchrun("tests/distributed/zero_memory_worker.py", preset, str(tmp_path)), timeout=400, OMP_NUM_THREADS="1"
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     # The GPU only sets the fits/time columns; model states depend on parameters and processes alone.
     planned = estimate(model_shape(str(tiny_model_dir)), Workload(gpu=get_gpu("a100-80g"), gpus_per_node=2), preset)
     for rank in (0, 1):

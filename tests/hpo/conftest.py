@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import python_bin, run_command, torchrun
+from tests.helpers import assert_succeeded, python_bin, run_command, torchrun
 
 WORKER = "tests/hpo/search_worker.py"
 
@@ -20,7 +20,7 @@ def run_search(output_dir: Path, *flags: str, processes: int = 1, timeout: float
         else torchrun(WORKER, "--output_dir", str(output_dir), *flags, processes=processes)
     )
     result = run_command(command, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert_succeeded(result, result.stdout[-3000:] + result.stderr[-5000:])
     return [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
 
 

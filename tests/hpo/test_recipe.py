@@ -5,14 +5,14 @@ import json
 import pytest
 
 from hf_scale.cli import build_parser
-from tests.helpers import python_bin, run_command
+from tests.helpers import assert_succeeded, python_bin, run_command
 
 
 @pytest.mark.slow
 def test_recipe_searches_the_tiny_default(tmp_path, tiny_model_dir):
     flags = ["--output_dir", str(tmp_path), "--n_trials", "2", "--max_steps", "20", "--eval_steps", "10"]
     result = run_command([python_bin("python"), "recipes/search_llama2.py", *flags], timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     best = json.loads((tmp_path / "best_run.json").read_text())
     params = best["hyperparameters"]
     assert {"learning_rate", "weight_decay", "per_device_train_batch_size", "lr_scheduler_type"} <= params.keys()

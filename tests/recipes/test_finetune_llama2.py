@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_scale.data.templates import ALPACA
 from hf_scale.evaluation import greedy_exact_match
 from hf_scale.tiny import generate_tasks
-from tests.helpers import SHARED_DATA, python_bin, run_command, torchrun
+from tests.helpers import SHARED_DATA, assert_succeeded, python_bin, run_command, torchrun
 
 RECIPE = "recipes/finetune_llama2.py"
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ def test_recipe_learns_the_held_out_task_and_saves_a_loadable_model(tmp_path, hf
         timeout=600,
         OMP_NUM_THREADS="2",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["eval_before_exact_match"] <= 0.02
     assert metrics["eval_after_exact_match"] >= 0.8
@@ -59,11 +59,11 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, hf_scale_cache):
         "3",
     ]
     first = run_command([*common, "--max_steps", "20"], timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert_succeeded(first, first.stderr[-3000:])
     assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20"]
 
     second = run_command([*common, "--max_steps", "30", "--resume"], timeout=300)
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert_succeeded(second, second.stderr[-3000:])
     state = json.loads((output_dir / "trainer_state.json").read_text())
     assert state["global_step"] == 30
     steps_logged = [entry["step"] for entry in state["log_history"] if "loss" in entry]
@@ -74,7 +74,7 @@ def test_recipe_under_torchrun_is_real_ddp(tmp_path, hf_scale_cache):
     output_dir = tmp_path / "run"
     flags = ["--output_dir", str(output_dir), "--max_steps", "30", "--exact_match_samples", "40"]
     result = run_command(torchrun(RECIPE, *flags), timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert metrics["effective_batch_size"] == 64  # 32 per device x 2 processes
@@ -106,7 +106,7 @@ def test_recipe_on_real_chinese_alpaca_with_packing(tmp_path, hf_scale_cache):
         str(output_dir),
     ]
     result = run_command([sys.executable, RECIPE, *flags], timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_succeeded(result, result.stderr[-3000:])
     summary = next(line for line in result.stdout.splitlines() if line.startswith("train: "))
     kept, dropped = re.search(r"-> (\d+) examples.*?; (\d+) dropped", summary).groups()
     assert int(kept) + int(dropped) == 950  # 1000 records, 5 % held out: every record kept or counted
