@@ -28,7 +28,7 @@ from hf_scale.checkpoints import (
     remove_incomplete_checkpoints,
 )
 from hf_scale.data.batching import is_packed_batch
-from hf_scale.distributed import check_model_is_wrapped, check_process_group
+from hf_scale.distributed import check_model_is_wrapped, check_process_group, release_gil_to_collectives_at_exit
 from hf_scale.errors import ConfigError
 from hf_scale.evaluation import GenerationEval, generation_metrics
 from hf_scale.output_dir import checkpoint_save_guard
@@ -66,6 +66,7 @@ class ScaleTrainer(Trainer):
             )
         super().__init__(model=model, args=args or ScaleTrainingArguments(), **kwargs)
         check_process_group(self.args.world_size, self.accelerator.distributed_type.value)
+        release_gil_to_collectives_at_exit()
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
                 # It opens its writer at the first log, before train() tells it output_dir when an evaluation
