@@ -14,7 +14,7 @@ from hf_scale.checkpoints import last_complete_checkpoint
 from hf_scale.distributed import check_elastic_restarts, has_accelerator, launched_world_size
 from hf_scale.errors import ConfigError
 from hf_scale.output_dir import check_output_dir
-from hf_scale.presets.consistency import check_against_arguments, load_deepspeed_config
+from hf_scale.presets import load_deepspeed_config, zero_preset
 
 RESUME_MODES = ("false", "true", "auto")
 
@@ -158,8 +158,6 @@ class ScaleTrainingArguments(TrainingArguments):
             if self.auto_cpu_ddp and world_size > 1:
                 self.use_cpu = True
         if self.zero_preset:
-            from hf_scale.presets import zero_preset
-
             if self.zero_preset == "auto":
                 self.zero_preset = self._planned_preset(world_size)
             preset = zero_preset(self.zero_preset) if self.zero_preset != "ddp" else None
@@ -178,8 +176,6 @@ class ScaleTrainingArguments(TrainingArguments):
             self.gradient_accumulation_steps = accumulation_for_global_batch(
                 self.global_batch_size, self.per_device_train_batch_size, world_size // self.tensor_parallel_size
             )
-        if self.deepspeed:
-            check_against_arguments(self.deepspeed, self, world_size)
         if isinstance(self.resume, bool):  # resume=True from Python is the strict mode
             self.resume = str(self.resume).lower()
         if self.resume not in RESUME_MODES:
@@ -188,6 +184,13 @@ class ScaleTrainingArguments(TrainingArguments):
             check_resumable(self.output_dir)
         self._set_schedule_and_early_stopping()
         super().__post_init__()
+        if self.deepspeed and self.hf_deepspeed_config.mismatches:
+            # transformers records them while it fills the "auto" values, but raises only once the model is loaded
+            raise ConfigError(
+                'the DeepSpeed config contradicts the training arguments (set those DeepSpeed values to "auto" '
+                "so that the training arguments decide): "
+                + "; ".join(mismatch.removeprefix("- ds ") for mismatch in self.hf_deepspeed_config.mismatches)
+            )
         check_reporting_integrations(self.report_to)
         check_output_dir(self.output_dir)  # a run that could never save stops before any work
         if self.deepspeed and self.use_cpu and world_size > 1:

@@ -1,13 +1,15 @@
 """The `hf-scale` command: `plan` (memory per strategy and a recommendation), `presets` (list, show), `train` (the
-fine-tuning recipe), `search` (the hyperparameter search recipe), `report` (a search's trials table and plots)
-and `env` (versions, devices, DeepSpeed ops)."""
+fine-tuning recipe), `search` (the hyperparameter search recipe), `recipes` (the shipped configs; copy a recipe out),
+`report` (a search's trials table and plots) and `env` (versions, devices, DeepSpeed ops)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
+from pathlib import Path
 
 from hf_scale.errors import HfScaleError
 
@@ -45,17 +47,23 @@ REPORT_EXAMPLES = """examples:
 
 TRAIN_EXAMPLES = """examples:
   hf-scale train --max_steps 100                   # the embedded tiny default, on any CPU
-  on GPU nodes, launch the recipe itself (see README.md "On a GPU node"):
-  accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml recipes/finetune_llama2.py \\
-      --config recipes/configs/llama2_7b_4xa100_zero1.yaml
+  on GPU nodes, on every process (see README.md "On a GPU node"):
+  accelerate launch --config_file 1node_4gpu.yaml -m hf_scale.cli train --config llama2_7b_4xa100_zero1
 """
 
 SEARCH_EXAMPLES = """examples:
   hf-scale search --n_trials 2 --max_steps 20      # the embedded tiny default, on any CPU
-  on GPU nodes, launch the recipe itself (see README.md "Hyperparameter search"):
-  accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml recipes/search_llama2.py \\
-      --config recipes/configs/search_llama2_7b_lora.yaml
+  on GPU nodes, on every process (see README.md "Hyperparameter search"):
+  accelerate launch --config_file 1node_4gpu.yaml -m hf_scale.cli search --config search_llama2_7b_lora
 """
+
+RECIPES_EXAMPLES = """examples:
+  hf-scale recipes list
+  hf-scale recipes copy finetune my_finetune.py    # then: accelerate launch my_finetune.py --config NAME
+"""
+
+# `hf-scale recipes copy NAME`: the recipe files in hf_scale/recipes/.
+RECIPE_FILES = {"finetune": "finetune_llama2.py", "search": "search_llama2.py"}
 
 
 def _gib(value: float) -> str:
@@ -147,11 +155,11 @@ def presets_command(options: argparse.Namespace) -> None:
 
 
 def train_command(options: argparse.Namespace) -> None:
-    from hf_scale.recipe_runner import run_recipe
+    from hf_scale.recipes.finetune_llama2 import main as finetune
 
     if "-h" in options.recipe_args or "--help" in options.recipe_args:
         print(TRAIN_EXAMPLES)  # then the recipe's own help: how to launch it and every flag
-    run_recipe("finetune_llama2.py", options.recipe_args)
+    finetune(options.recipe_args)
 
 
 def env_command(options: argparse.Namespace) -> None:
@@ -162,11 +170,28 @@ def env_command(options: argparse.Namespace) -> None:
 
 
 def search_command(options: argparse.Namespace) -> None:
-    from hf_scale.hpo.recipe_path import run_search_recipe
+    from hf_scale.recipes.search_llama2 import main as search
 
     if "-h" in options.recipe_args or "--help" in options.recipe_args:
         print(SEARCH_EXAMPLES)  # then the recipe's own help: how to launch it and every flag
-    run_search_recipe(options.recipe_args)
+    search(options.recipe_args)
+
+
+def recipes_command(options: argparse.Namespace) -> None:
+    from hf_scale.config import config_file, shipped_configs
+
+    if options.action == "list":
+        for name in shipped_configs():
+            first_line = config_file(name).read_text(encoding="utf-8").splitlines()[0].lstrip("# ")
+            print(f"{name:<36} {first_line}")
+        return
+    if options.recipe not in RECIPE_FILES or not options.destination:
+        raise HfScaleError(f"recipes copy needs a recipe ({' or '.join(RECIPE_FILES)}) and a destination file")
+    destination = Path(options.destination)
+    if destination.exists():
+        raise HfScaleError(f"{destination} exists: hf-scale recipes copy does not overwrite")
+    shutil.copyfile(Path(__file__).parent / "recipes" / RECIPE_FILES[options.recipe], destination)
+    print(f"copied the {options.recipe} recipe to {destination}; launch it as the original (see its docstring)")
 
 
 def report_command(options: argparse.Namespace) -> None:
@@ -225,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train_parser = commands.add_parser(
         "train",
-        help="fine-tune (recipes/finetune_llama2.py; launch with accelerate or torchrun for many GPUs)",
-        description="Runs recipes/finetune_llama2.py with the flags given; with none, the tiny CPU default.",
+        help="fine-tune (the recipe hf_scale/recipes/finetune_llama2.py; accelerate launch -m hf_scale.cli train)",
+        description="Runs the fine-tuning recipe with the flags given; with none, the tiny CPU default.",
         add_help=False,  # -h and every flag belong to the recipe
         prefix_chars="\0",
     )
@@ -244,12 +269,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     search_parser = commands.add_parser(
         "search",
-        help="hyperparameter search (recipes/search_llama2.py; launch with accelerate or torchrun)",
+        help="hyperparameter search (the recipe hf_scale/recipes/search_llama2.py; accelerate launch -m ...)",
         add_help=False,  # -h and every flag belong to the recipe
         prefix_chars="\0",
     )
     search_parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags, e.g. --config X")
     search_parser.set_defaults(run=search_command)
+
+    recipes_parser = commands.add_parser(
+        "recipes",
+        help="the shipped configs (for --config NAME); copy a recipe out to edit",
+        epilog=RECIPES_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    recipes_parser.add_argument("action", choices=["list", "copy"])
+    recipes_parser.add_argument("recipe", nargs="?", help="for copy: finetune or search")
+    recipes_parser.add_argument("destination", nargs="?", help="for copy: the new file")
+    recipes_parser.set_defaults(run=recipes_command)
 
     report_parser = commands.add_parser(
         "report",

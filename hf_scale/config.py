@@ -1,4 +1,4 @@
-"""Read a recipe's arguments from a YAML file (`--config FILE`) with command-line flags on top.
+"""Read a recipe's arguments from a YAML file (`--config FILE` or a shipped config's name) with flags on top.
 
 The YAML keys are the dataclass field names, exactly as the flags are. Values are turned into flags and
 parsed by `HfArgumentParser` once, so a YAML value and a flag go through the same type checks (YAML 1.1
@@ -32,11 +32,29 @@ class _RaisingParser(HfArgumentParser):
         raise _ArgparseError(message)
 
 
+# The configs shipped in the package, found by name: `--config llama2_7b_4xa100_zero1`.
+SHIPPED_CONFIGS = Path(__file__).parent / "recipes" / "configs"
+
+
+def shipped_configs() -> list[str]:
+    """The names of the shipped configs."""
+    return sorted(path.stem for path in SHIPPED_CONFIGS.glob("*.yaml"))
+
+
+def config_file(name_or_path: str | Path) -> Path:
+    """The config file at `name_or_path`, else the shipped config of that name; else a `ConfigError`."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = SHIPPED_CONFIGS / f"{path.name.removesuffix('.yaml')}.yaml"
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    raise ConfigError(f"config file not found: {path} (nor a shipped config: {', '.join(shipped_configs())})")
+
+
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML config file; a missing file or a file that is not a mapping is a `ConfigError`."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+    """The mapping in a YAML config file (or a shipped config named so); one that is not a mapping is an error."""
+    path = config_file(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as error:

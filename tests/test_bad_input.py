@@ -6,7 +6,6 @@ in-process (the same code, without 10 s of imports per run); one row also runs a
 subprocess: exit code 2, no traceback.
 """
 
-import importlib.util
 import json
 import re
 import shutil
@@ -166,10 +165,9 @@ SUBPROCESS_CASE = "non-UTF-8 bytes"  # a data error: the deepest a row goes befo
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("finetune_llama2_under_test", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from hf_scale.recipes import finetune_llama2
+
+    return finetune_llama2
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import optuna
 import pytest
@@ -70,7 +71,7 @@ def test_help_has_examples(capsys):
     assert "hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4" in capsys.readouterr().out
 
 
-HELPS = [[], ["plan"], ["presets"], ["train"], ["env"], ["search"], ["report"]]
+HELPS = [[], ["plan"], ["presets"], ["train"], ["env"], ["search"], ["recipes"], ["report"]]
 
 
 def help_of(command: list[str], capsys) -> str:
@@ -104,9 +105,12 @@ def test_every_example_in_the_help_runs(tmp_path, capsys, hf_scale_cache):
         words = [str(tmp_path / "report") if word.startswith("outputs/") else word for word in words]
         if words[0] in ("train", "search"):
             words += ["--output_dir", str(tmp_path / words[0])]
+        if words[:2] == ["recipes", "copy"]:
+            words[-1] = str(tmp_path / words[-1])
         assert main(words) == 0, example
         capsys.readouterr()
-    assert {example.split()[1] for example in examples} == {"plan", "presets", "train", "env", "search", "report"}
+    commands = {example.split()[1] for example in examples}
+    assert commands == {"plan", "presets", "train", "env", "search", "recipes", "report"}
     assert (tmp_path / "train" / "model.safetensors").is_file() and (tmp_path / "search" / "best_run.json").is_file()
     assert (tmp_path / "report" / "trials.csv").is_file()
 
@@ -116,3 +120,15 @@ def test_env_reports_versions_and_devices(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["packages"]["torch"].startswith("2.") and report["devices"]["cpu_cores"] >= 1
     assert report["missing"] == []
+
+
+def test_recipes_copy_gives_the_recipe_to_edit(tmp_path, monkeypatch, capsys):
+    import hf_scale.recipes.finetune_llama2 as recipe
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipes", "copy", "finetune", "my_finetune.py"]) == 0
+    assert (tmp_path / "my_finetune.py").read_text() == Path(recipe.__file__).read_text()
+    (tmp_path / "my_finetune.py").write_text("# edited\n")
+    assert main(["recipes", "copy", "finetune", "my_finetune.py"]) == 2  # an edited copy is never overwritten
+    assert "my_finetune.py exists" in capsys.readouterr().err
+    assert (tmp_path / "my_finetune.py").read_text() == "# edited\n"

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from hf_scale.config import SHIPPED_CONFIGS, config_file
 from tests.helpers import REPO_ROOT, SHARED_DATA, assert_succeeded, python_bin, run_command
 from tests.recipes.launch import check_fine_tuning_run, header_launch_line, launch_on_cpu, shrinking_flags
 
@@ -20,10 +21,14 @@ def test_python_blocks_compile_and_their_imports_resolve():
 
 
 def test_named_configs_and_make_targets_exist():
-    for path in set(re.findall(r"recipes/(?:configs|accelerate)/[\w.]+\.yaml", README)):
+    for path in set(re.findall(r"recipes/accelerate/[\w.]+\.yaml", README)):
         assert (REPO_ROOT / path).is_file(), path
-    for name in set(re.findall(r"`(\w+\.yaml)`", README)):
-        assert (REPO_ROOT / "recipes" / "configs" / name).is_file(), name
+    named = set(re.findall(r"`((?:llama2_\d+b|search)_\w+)`", README)) | set(
+        re.findall(r"--config\s+([a-z]\w+)", README)
+    )
+    assert len(named) >= 6
+    for name in named:
+        assert config_file(name).is_file(), name
     makefile = (REPO_ROOT / "Makefile").read_text()
     for target in ("demo", "test"):
         assert re.search(rf"^{target}:", makefile, re.MULTILINE)
@@ -58,11 +63,24 @@ RUN_BY = {
     "make ops": "Makefile",  # run by `make install`, so by make demo and make test
     "hf auth login": "tests/test_readme.py::test_the_hub_login_command_exists",
     "python recipes/search_llama2.py": "tests/hpo/test_recipe.py::test_recipe_searches_the_tiny_default",
+    "hf-scale recipes list": "tests/test_package.py::test_the_wheel_holds_the_recipes_and_the_configs",
+    "hf-scale recipes copy finetune my_finetune.py": "tests/test_cli.py::test_recipes_copy_gives_the_recipe_to_edit",
+    "hf-scale search": "tests/test_package.py::test_hf_scale_train_and_search_from_an_empty_folder",
+    "pip install hf_scale-0.1.0-py3-none-any.whl": "tests/test_package.py::installed",
+    "hf-scale train --max_steps 4 --exact_match_samples 4 --output_dir trained": "tests/test_package.py::"
+    "test_hf_scale_train_and_search_from_an_empty_folder",
+    "hf-scale search --n_trials 2 --max_steps 2 --output_dir searched": "tests/test_package.py::"
+    "test_hf_scale_train_and_search_from_an_empty_folder",
+    "hf-scale train --config llama2_7b_4xa100_zero1 --help": "tests/test_package.py::"
+    "test_the_wheel_holds_the_recipes_and_the_configs",
+    "accelerate launch --config_file 1node_4gpu.yaml -m hf_scale.cli train --config llama2_7b_4xa100_zero1": "tests/"
+    "test_package.py::test_accelerate_launch_of_the_installed_cli_trains_on_two_processes",
     "python bench/data_pipeline.py": "tests/bench/test_benches.py::test_data_pipeline_prints_both_sets",
     "python bench/hpo.py": "tests/bench/test_benches.py::test_hpo_prints_both_backends_and_the_speed_ups",
     "hf-scale plan": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
     "hf-scale plan ...": "tests/test_cli.py::test_plan_prints_the_table_and_the_recommendation",
-    "hf-scale plan, presets, train, search, report, env": "tests/test_cli.py::test_every_example_in_the_help_runs",
+    "hf-scale plan, presets, train, search, recipes, report, env": "tests/test_cli.py::"
+    "test_every_example_in_the_help_runs",
     "hf-scale presets list": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
     "hf-scale presets show zero2": "tests/test_cli.py::test_presets_list_and_show",
     "hf-scale env": "tests/test_cli.py::test_env_reports_versions_and_devices",
@@ -88,16 +106,13 @@ def readme_commands() -> list[str]:
 
 
 def launch_lines() -> list[str]:
-    return [c for c in readme_commands() if c.startswith(LAUNCHERS) and "--config" in c]
+    """The launch lines of the clone's recipes (the installed package's are run by tests/test_package.py)."""
+    return [c for c in readme_commands() if c.startswith(LAUNCHERS) and "--config" in c and c not in RUN_BY]
 
 
 def other_launchers() -> list[str]:
     """The launch lines that are not a config header's own (those run in tests/recipes/test_configs_as_shipped.py)."""
-    headers = {
-        header_launch_line(path)
-        for path in (REPO_ROOT / "recipes" / "configs").glob("*.yaml")
-        if "tiny" not in path.name
-    }
+    headers = {header_launch_line(path) for path in SHIPPED_CONFIGS.glob("*.yaml") if "tiny" not in path.name}
     return [command for command in launch_lines() if command not in headers]
 
 

@@ -6,7 +6,6 @@ config value is evaluated; passwords and tokens are masked wherever a URL is log
 """
 
 import ast
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -123,10 +122,8 @@ def test_a_planted_pickle_is_refused_and_never_run(planted_pickle_model, tmp_pat
 
 def test_the_recipe_refuses_a_planted_pickle_before_any_work(planted_pickle_model, tmp_path, hf_scale_cache):
     folder, marker = planted_pickle_model
-    recipe_path = REPO_ROOT / "recipes" / "finetune_llama2.py"
-    spec = importlib.util.spec_from_file_location("finetune_llama2_safety", recipe_path)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    from hf_scale.recipes import finetune_llama2 as recipe
+
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match="has only pickle weights"):
         recipe.main(["--model_name_or_path", str(folder), "--output_dir", str(out), "--max_steps", "1"])

@@ -2,7 +2,7 @@
 many nodes. One idea per module: `space` (what is searched), `sync` (ranks in step), `objective` (what is scored),
 `pruning`, `storage` (where the study lives), `callback` and `trial` (one trial on every rank), `release` (memory
 between trials), `lora` (the LoRA fast path), `search` (the whole search), `report` (trials table and plots),
-`settings` (the search's arguments), `recipe_path` (`hf-scale search`).
+`settings` (the search's arguments).
 """
 
 from hf_scale.hpo.settings import SearchArguments

@@ -17,7 +17,8 @@ import optuna
 from optuna.trial import TrialState
 
 from hf_scale.errors import ConfigError
-from hf_scale.hpo.storage import JOURNAL_PREFIX, mask_url, open_storage, quiet_experimental
+from hf_scale.hpo.storage import JOURNAL_PREFIX, open_storage, quiet_experimental
+from hf_scale.safety import mask_secrets
 
 PLOTS = ("optimization_history", "intermediate_values", "param_importances")
 SUMMARY_COLUMNS = ("number", "state", "value", "best_evaluation", "evaluations", "duration_s")
@@ -43,12 +44,14 @@ def load_study(study: str, study_name: str | None = None) -> optuna.Study:
     if study_name is None:
         if len(names) != 1:
             raise ConfigError(
-                f"report: {mask_url(spec)} holds {len(names)} studies ({', '.join(names) or 'none'}); "
+                f"report: {mask_secrets(spec)} holds {len(names)} studies ({', '.join(names) or 'none'}); "
                 "pick one with --study-name"
             )
         study_name = names[0]
     elif study_name not in names:
-        raise ConfigError(f"report: no study {study_name!r} in {mask_url(spec)}; it has {', '.join(names) or 'none'}")
+        raise ConfigError(
+            f"report: no study {study_name!r} in {mask_secrets(spec)}; it has {', '.join(names) or 'none'}"
+        )
     return optuna.load_study(study_name=study_name, storage=storage)
 
 

@@ -31,7 +31,7 @@ from hf_scale.hpo.pruning import make_pruner
 from hf_scale.hpo.release import frozen_gc
 from hf_scale.hpo.settings import SEARCH_FIELDS, SearchArguments
 from hf_scale.hpo.space import default_hp_space
-from hf_scale.hpo.storage import JournalHeartbeat, mask_url, open_storage, quiet_experimental, storage_spec
+from hf_scale.hpo.storage import JournalHeartbeat, open_storage, quiet_experimental, storage_spec
 from hf_scale.hpo.trial import (
     ABORTED,
     COMPLETE,
@@ -46,6 +46,7 @@ from hf_scale.hpo.trial import (
     trial_folder,
     zero3_enabled,
 )
+from hf_scale.safety import mask_secrets
 
 # Arguments of optuna.create_study and Study.optimize that the search takes, as HF's Optuna backend does.
 STUDY_KWARGS = {"sampler", "pruner", "storage", "load_if_exists"}
@@ -161,7 +162,7 @@ class Search:
         settings = self.settings
         spec = storage_spec(settings.storage, self.output_dir)
         storage = self.study_kwargs.get("storage")  # an Optuna storage object, used as it is
-        where = type(storage).__name__ if storage is not None else mask_url(spec)
+        where = type(storage).__name__ if storage is not None else mask_secrets(spec)
         if storage is None:
             storage = open_storage(spec, settings.heartbeat_interval, settings.grace_period, settings.max_retry)
         if isinstance(storage, optuna.storages.JournalStorage):

@@ -1,7 +1,7 @@
 """`SearchArguments`: hf_scale's settings of a search, beside HF's `hyperparameter_search` arguments.
 
 Each field can be given to `ScaleTrainer.hyperparameter_search(..., field=value)`, or as a YAML key or flag of
-`recipes/search_llama2.py`. `n_trials`, `timeout` and `direction` mean what they mean in HF and Optuna, except that
+the search recipe. `n_trials`, `timeout` and `direction` mean what they mean in HF and Optuna, except that
 `n_trials` counts the whole study: a resumed search, or several workers on one study, stop together at n_trials.
 """
 

@@ -3,13 +3,12 @@
 The default file makes an interrupted search resumable: started again with the same output_dir, it loads the study
 and goes on. An RDB URL (PostgreSQL, MySQL) lets workers on several nodes share one study, each worker one launch on
 its node. A journal file (`journal:PATH`) needs only a shared filesystem. A URL may carry a password: it is shown
-only through `mask_url`.
+only through `hf_scale.safety.mask_secrets`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 import time
 import warnings
@@ -23,6 +22,7 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
 from hf_scale.errors import ConfigError
+from hf_scale.safety import mask_secrets
 
 DEFAULT_STUDY_FILE = "optuna_study.db"
 JOURNAL_PREFIX = "journal:"
@@ -36,11 +36,6 @@ def quiet_experimental() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         yield
-
-
-def mask_url(text: str) -> str:
-    """`text` with the password of every URL in it replaced by ***, e.g. postgresql://user:***@host/db."""
-    return re.sub(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@\s]*@", r"\1***@", str(text))
 
 
 def storage_spec(storage: str | None, output_dir: str) -> str:
@@ -71,7 +66,8 @@ def open_storage(
         return JournalStorage(JournalFileBackend(str(path)))
     if "://" not in spec:
         raise ConfigError(
-            f"storage: {mask_url(spec)!r} is neither a database URL (sqlite:///PATH, postgresql://...) nor journal:PATH"
+            f"storage: {mask_secrets(spec)!r} is neither a database URL (sqlite:///PATH, postgresql://...) nor "
+            "journal:PATH"
         )
     engine_kwargs: dict[str, Any] = {}
     if spec.startswith("postgresql://") and not find_spec("psycopg") and find_spec("psycopg2"):
@@ -98,10 +94,10 @@ def open_storage(
                 )
         except IntegrityError:
             if attempt == SCHEMA_RACE_ATTEMPTS - 1:
-                raise ConfigError(f"storage {mask_url(spec)}: another worker kept creating its tables") from None
+                raise ConfigError(f"storage {mask_secrets(spec)}: another worker kept creating its tables") from None
             time.sleep(1 + attempt)
         except Exception as error:  # the driver's message, never the URL with its password
-            raise ConfigError(f"storage {mask_url(spec)}: cannot open it: {mask_url(str(error))}") from None
+            raise ConfigError(f"storage {mask_secrets(spec)}: cannot open it: {mask_secrets(str(error))}") from None
     raise AssertionError("unreachable")
 
 

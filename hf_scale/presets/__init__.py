@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from hf_scale.errors import ConfigError
@@ -40,3 +41,21 @@ def zero_preset(name: str, **overrides: Any) -> dict[str, Any]:
         else:
             config[key] = copy.deepcopy(value)
     return config
+
+
+def load_deepspeed_config(config: dict | str) -> dict[str, Any]:
+    """The config as a dict, from a dict, JSON text or a JSON file path."""
+    if isinstance(config, dict):
+        return config
+    if config.lstrip().startswith("{"):  # a dict given as a flag or YAML mapping arrives as JSON text
+        try:
+            return json.loads(config)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"deepspeed: not valid JSON: {error}") from None
+    path = Path(config)
+    if not path.is_file():
+        raise ConfigError(f"deepspeed: config file not found: {config}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"deepspeed: {config} is not valid JSON: {error}") from None

@@ -24,7 +24,5 @@ def test_recipe_searches_the_tiny_default(tmp_path, tiny_model_dir):
 
 
 def test_search_command_passes_its_flags_to_the_recipe():
-    options = build_parser().parse_args(
-        ["search", "--config", "recipes/configs/search_tiny_cpu.yaml", "--n_trials", "3"]
-    )
-    assert options.recipe_args == ["--config", "recipes/configs/search_tiny_cpu.yaml", "--n_trials", "3"]
+    options = build_parser().parse_args(["search", "--config", "search_tiny_cpu", "--n_trials", "3"])
+    assert options.recipe_args == ["--config", "search_tiny_cpu", "--n_trials", "3"]

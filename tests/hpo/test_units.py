@@ -16,8 +16,9 @@ from hf_scale.hpo.pruning import make_pruner
 from hf_scale.hpo.report import load_study, trials_table, write_report
 from hf_scale.hpo.search import split_kwargs
 from hf_scale.hpo.space import accumulation_steps, default_hp_space, effective_batch_choices, split_hyperparameters
-from hf_scale.hpo.storage import JournalHeartbeat, mask_url, open_storage
+from hf_scale.hpo.storage import JournalHeartbeat, open_storage
 from hf_scale.hpo.sync import setup_missed_message
+from hf_scale.safety import mask_secrets
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -137,9 +138,9 @@ def test_kwargs_are_split_and_checked():
 
 def test_passwords_are_masked():
     url = "postgresql+psycopg2://hpo:s3cr3t-pw@127.0.0.1:5432/studies"
-    assert mask_url(url) == "postgresql+psycopg2://hpo:***@127.0.0.1:5432/studies"
-    assert "s3cr3t" not in mask_url(f"could not connect to {url} (timeout)")
-    assert mask_url("sqlite:////tmp/a.db") == "sqlite:////tmp/a.db"
+    assert mask_secrets(url) == "postgresql+psycopg2://hpo:***@127.0.0.1:5432/studies"
+    assert "s3cr3t" not in mask_secrets(f"could not connect to {url} (timeout)")
+    assert mask_secrets("sqlite:////tmp/a.db") == "sqlite:////tmp/a.db"
     with pytest.raises(ConfigError) as error:
         open_storage("not-a-url-s3cr3t@host")
     assert "neither a database URL" in str(error.value)

@@ -34,13 +34,14 @@ def test_explicit_deepspeed_values_that_contradict_the_arguments_are_named(tmp_p
     from hf_scale.arguments import ScaleTrainingArguments
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "optimizer": {"params": {"lr": 1e-4}}}
+    config["zero_optimization"] = {"stage": 2}
     with pytest.raises(ConfigError) as error:
         ScaleTrainingArguments(
             output_dir=str(tmp_path), deepspeed=config, per_device_train_batch_size=8, learning_rate=2e-5
         )
     message = str(error.value)
-    assert "train_micro_batch_size_per_gpu=4 but per_device_train_batch_size=8" in message
-    assert "optimizer.params.lr=0.0001 but learning_rate=2e-05" in message
+    assert "train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=8" in message
+    assert "optimizer.params.lr=0.0001 vs hf learning_rate=2e-05" in message
     assert "gradient_clipping" not in message  # 1.0 is the Trainer's max_grad_norm too
 
 

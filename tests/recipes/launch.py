@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_scale.config import load_yaml_config
+from hf_scale.config import config_file, load_yaml_config
 from tests.helpers import REPO_ROOT, free_port, launch_env, python_bin
 
 STEPS = ["--max_steps", "4", "--eval_steps", "2", "--save_steps", "2", "--logging_steps", "1"]
@@ -23,13 +23,14 @@ def header_launch_line(config: Path) -> str:
     """The launch command a config's header comment shows (continuation lines joined)."""
     header = [line[1:].strip() for line in config.read_text().splitlines() if line.startswith("#")]
     text = " ".join(header).replace("\\ ", " ")
-    found = re.search(r"((?:accelerate launch|torchrun|deepspeed) .*?--config \S+\.yaml)", text)
+    found = re.search(r"((?:accelerate launch|torchrun|deepspeed) .*?--config \S+)", text)
     assert found, f"{config.name}: no launch line in its header"
     return " ".join(found.group(1).split())
 
 
 def config_of(command: str) -> Path:
-    return REPO_ROOT / command.split("--config ")[1].split()[0]
+    """The config file a launch line names, by path or by shipped name."""
+    return config_file(command.split("--config ")[1].split()[0])
 
 
 def cpu_version(command: str, port: int) -> list[list[str]]:

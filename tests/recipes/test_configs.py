@@ -6,17 +6,16 @@ import pytest
 from transformers import HfArgumentParser
 
 from hf_scale.arguments import ScaleTrainingArguments
-from hf_scale.config import check_config, load_yaml_config
+from hf_scale.config import SHIPPED_CONFIGS, check_config, load_yaml_config
 from hf_scale.data.arguments import DataArguments
 from hf_scale.data.templates import TEMPLATES
 from hf_scale.modeling import ModelArguments
 from hf_scale.presets import list_presets
 from tests.helpers import REPO_ROOT
 
-# the fine-tuning recipe's configs; search_*.yaml belong to recipes/search_llama2.py (tests/hpo/test_recipe.py)
-CONFIGS = sorted(p for p in (REPO_ROOT / "recipes" / "configs").glob("*.yaml") if not p.name.startswith("search_"))
+# the fine-tuning recipe's configs; search_*.yaml belong to the search recipe (tests/hpo/test_recipe.py)
+CONFIGS = sorted(p for p in SHIPPED_CONFIGS.glob("*.yaml") if not p.name.startswith("search_"))
 ACCELERATE_CONFIGS = sorted((REPO_ROOT / "recipes" / "accelerate").glob("*.yaml"))
-RECIPE = "recipes/finetune_llama2.py"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -32,7 +31,7 @@ def test_shipped_configs_are_valid(config):
         assert "# Planner: hf-scale plan" in config.read_text()
 
 
-@pytest.mark.parametrize("config", sorted((REPO_ROOT / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("config", sorted(SHIPPED_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_what_each_config_reports_to_is_installed(config):
     """`pip install hf-scale` brings every integration a shipped config names (tensorboard was missing)."""
     from transformers.integrations import get_available_reporting_integrations
@@ -95,4 +94,4 @@ def test_accelerate_configs_load(config):
 
 
 def test_tiny_config_is_the_default():
-    assert load_yaml_config(REPO_ROOT / "recipes/configs/tiny_cpu.yaml").get("model_name_or_path") is None
+    assert load_yaml_config("tiny_cpu").get("model_name_or_path") is None

@@ -12,14 +12,14 @@ import json
 
 import pytest
 
-from tests.helpers import REPO_ROOT, SHARED_DATA
+from hf_scale.config import SHIPPED_CONFIGS
+from tests.helpers import SHARED_DATA
 from tests.recipes.launch import check_fine_tuning_run, header_launch_line, launch_on_cpu, shrinking_flags
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent"),
 ]
-CONFIGS = REPO_ROOT / "recipes" / "configs"
 DEFAULTS = ("tiny_cpu.yaml", "search_tiny_cpu.yaml")
 # config -> the shared set it trains on: both languages are covered
 DATA = {
@@ -33,12 +33,12 @@ DATA = {
 
 
 def test_every_shipped_config_is_launched_here():
-    assert {path.name for path in CONFIGS.glob("*.yaml")} == {*DATA, *DEFAULTS}
+    assert {path.name for path in SHIPPED_CONFIGS.glob("*.yaml")} == {*DATA, *DEFAULTS}
 
 
 @pytest.mark.parametrize("name", DATA)
 def test_config_launched_as_shipped_trains_and_saves_what_loads(name, tmp_path, tiny_model_dir):
-    command = header_launch_line(CONFIGS / name)
+    command = header_launch_line(SHIPPED_CONFIGS / name)
     output_dir = tmp_path / "run"
     launched = launch_on_cpu(command, shrinking_flags(command, tiny_model_dir, SHARED_DATA / DATA[name], output_dir))
     if name.startswith("search_"):
