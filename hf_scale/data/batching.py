@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 from typing import Literal
 
+import torch
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerBase
+from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from hf_scale.data.tokenize import IGNORE_INDEX
 
 Batching = Literal["pad_to_max_length", "dynamic", "group_by_length", "packing"]
-MEGABATCH_FACTOR = 50  # transformers' LengthGroupedSampler sorts within megabatches of 50 batches
 
 
 def make_collator(tokenizer: PreTrainedTokenizerBase, packing: bool, pad_to_multiple_of: int | None = 8):
@@ -65,15 +65,12 @@ def padding_fraction(
         if max_length is None:
             raise ValueError("pad_to_max_length needs max_length")
         return 1 - sum(lengths) / (max_length * len(lengths))
-    order = list(range(len(lengths)))
-    random.Random(seed).shuffle(order)
+    # The order of an epoch as the Trainer's samplers give it: shuffled, or grouped by length within megabatches.
+    generator = torch.Generator().manual_seed(seed)
     if batching == "group_by_length":
-        size = batch_size * MEGABATCH_FACTOR
-        order = [
-            i
-            for start in range(0, len(order), size)
-            for i in sorted(order[start : start + size], key=lambda i: -lengths[i])
-        ]
+        order = list(LengthGroupedSampler(batch_size, lengths=lengths, generator=generator))
+    else:
+        order = torch.randperm(len(lengths), generator=generator).tolist()
     padded = 0
     for start in range(0, len(order), batch_size):
         batch = [lengths[i] for i in order[start : start + batch_size]]

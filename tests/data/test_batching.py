@@ -123,7 +123,9 @@ def test_padding_fractions():
     assert padding_fraction(lengths, 2, "pad_to_max_length", max_length=40) == pytest.approx(1 - 100 / 160)
     assert padding_fraction(lengths, 4, "dynamic") == pytest.approx(1 - 100 / 160)
     assert padding_fraction(lengths, 1, "dynamic") == 0
-    assert padding_fraction(lengths, 2, "group_by_length") == pytest.approx(1 - 100 / 120)
+    # transformers' LengthGroupedSampler sorts within megabatches (12 batches of 2 here): nearly every pair is equal
+    mixed = [10, 40] * 50
+    assert padding_fraction(mixed, 2, "group_by_length") < 0.1 < 0.2 < padding_fraction(mixed, 2, "dynamic")
     assert padding_fraction(lengths, 2, "packing") == 0
     assert padding_fraction([5], 1, "dynamic", pad_to_multiple_of=8) == pytest.approx(3 / 8)
 
