@@ -49,15 +49,17 @@ def release_gil_to_collectives_at_exit() -> None:
     reported failed. The core dump shows the thread: `c10d::ProcessGroupGloo::runLoop` ->
     `~AsyncAllgatherWork` -> `decref_pyobject` -> `take_gil` -> `pthread_exit`. Plain torch, 2 processes, an
     all_gather then exit: 8 aborts in 20 runs on a loaded 2-core machine. Sleeping at exit releases the GIL
-    so that such a thread finishes first. Registered once, however many trainers a process builds.
+    so that such a thread finishes first. Registered once, however many trainers a process builds; call it
+    only in a process that has a process group.
     """
-    atexit.unregister(_sleep_if_distributed)
-    atexit.register(_sleep_if_distributed)
+    # Whether a process group is still up at exit does not matter: `destroy_process_group` (accelerate's
+    # end_training) leaves the groups' threads running while DeepSpeed or accelerate still hold the groups.
+    atexit.unregister(_release_gil)
+    atexit.register(_release_gil)
 
 
-def _sleep_if_distributed() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        time.sleep(EXIT_GIL_RELEASE_SECONDS)
+def _release_gil() -> None:
+    time.sleep(EXIT_GIL_RELEASE_SECONDS)
 
 
 def check_elastic_restarts() -> None:

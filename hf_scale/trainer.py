@@ -66,7 +66,8 @@ class ScaleTrainer(Trainer):
             )
         super().__init__(model=model, args=args or ScaleTrainingArguments(), **kwargs)
         check_process_group(self.args.world_size, self.accelerator.distributed_type.value)
-        release_gil_to_collectives_at_exit()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            release_gil_to_collectives_at_exit()
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
                 # It opens its writer at the first log, before train() tells it output_dir when an evaluation
