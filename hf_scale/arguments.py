@@ -3,6 +3,7 @@
 No `from __future__ import annotations` here: `HfArgumentParser` reads the field types at run time.
 """
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -24,8 +25,9 @@ class ScaleTrainingArguments(TrainingArguments):
     """`TrainingArguments` for instruction fine-tuning at scale; every HF argument works as usual.
 
     Changed defaults (cosine schedule, 3 % warm-up) follow the tuning guide; the added fields are documented where
-    they are declared. Checks that would fail later (batch arithmetic, DeepSpeed config against these arguments,
-    an unwritable output_dir, a resume without a checkpoint) fail here, before any work.
+    they are declared. They describe and validate: checks that would fail later (batch arithmetic, the DeepSpeed
+    config against these arguments, a missing reporting integration) fail here; what reads the hub, writes or starts
+    processes is `prepare_run`'s, called by `ScaleTrainer` (or by a script before it loads the model).
 
     Example:
         args = ScaleTrainingArguments(output_dir="out", zero_preset="auto", plan_model="meta-llama/Llama-2-7b-hf",
@@ -151,20 +153,22 @@ class ScaleTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        # Only what describes and validates the run: nothing here reads the hub, writes a file or starts a process
+        # group of its own (`prepare_run` does that). TrainingArguments' own __post_init__ still sets up its device.
         check_elastic_restarts()  # before the process group starts: that is where a bad restart would hang
         world_size = launched_world_size()
         if not has_accelerator():
             self.dataloader_pin_memory = False  # nothing to pin for; torch warns on every loader otherwise
             if self.auto_cpu_ddp and world_size > 1:
                 self.use_cpu = True
-        if self.zero_preset:
-            if self.zero_preset == "auto":
-                self.zero_preset = self._planned_preset(world_size)
+        if self.zero_preset and self.zero_preset != "auto":
             preset = zero_preset(self.zero_preset) if self.zero_preset != "ddp" else None
             # The preset's own config is what built arguments hold: rebuilding them (dataclasses.replace) is no clash.
             if self.deepspeed and load_deepspeed_config(self.deepspeed) != preset:
                 raise ConfigError("zero_preset and deepspeed are both set: give one DeepSpeed config, not two")
             self.deepspeed = preset
+        elif self.zero_preset == "auto" and self.deepspeed:
+            raise ConfigError("zero_preset and deepspeed are both set: give one DeepSpeed config, not two")
         if self.deepspeed:
             self.deepspeed = load_deepspeed_config(self.deepspeed)
             if world_size % self.tensor_parallel_size:
@@ -180,8 +184,6 @@ class ScaleTrainingArguments(TrainingArguments):
             self.resume = str(self.resume).lower()
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"resume: {self.resume!r} is not one of {', '.join(RESUME_MODES)}")
-        if self.resume == "true":
-            check_resumable(self.output_dir)
         self._set_schedule_and_early_stopping()
         super().__post_init__()
         if self.deepspeed and self.hf_deepspeed_config.mismatches:
@@ -192,9 +194,6 @@ class ScaleTrainingArguments(TrainingArguments):
                 + "; ".join(mismatch.removeprefix("- ds ") for mismatch in self.hf_deepspeed_config.mismatches)
             )
         check_reporting_integrations(self.report_to)
-        check_output_dir(self.output_dir)  # a run that could never save stops before any work
-        if self.deepspeed and self.use_cpu and world_size > 1:
-            _start_deepspeed_comm(self)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -247,11 +246,6 @@ class ScaleTrainingArguments(TrainingArguments):
                 raise ConfigError("early_stopping_patience needs evaluations: set eval_strategy to steps or epoch")
             self.load_best_model_at_end = True  # the run ends with the best weights, and saves those
 
-    def _planned_preset(self, world_size: int) -> str:
-        from hf_scale.presets.auto import planned_preset
-
-        return planned_preset(self, world_size)
-
 
 def accumulation_for_global_batch(global_batch_size: int, per_device_batch_size: int, world_size: int) -> int:
     """Gradient accumulation steps that make `per_device x world_size x steps == global_batch_size` exactly."""
@@ -284,14 +278,28 @@ def check_resumable(output_dir: str | None) -> None:
         raise ConfigError(f"resume: no complete checkpoint-* folder in output_dir {output_dir!r}")
 
 
-def _start_deepspeed_comm(args: TrainingArguments) -> None:
-    """Make deepspeed.comm join the CPU process group before any model is loaded.
+def prepare_run(args: ScaleTrainingArguments) -> ScaleTrainingArguments:
+    """The arguments a run trains with, once what touches the network, disks and processes has been done and checked.
 
-    On CPU, accelerate starts only torch.distributed (gloo). ZeRO-3 partitions the weights while
-    `from_pretrained` loads them, and asks deepspeed.comm for the world size; uninitialised, it answers 1 and
-    the batch check fails (train_batch_size != micro_batch x accumulation x 1).
+    `zero_preset="auto"` gets the planner's preset (it reads plan_model's config, maybe from the hub); output_dir must
+    be writable, and hold a complete checkpoint with resume='true'; on CPU, DeepSpeed's communication joins the gloo
+    process group (ZeRO-3 asks it for the world size while `from_pretrained` partitions the weights; uninitialised
+    it answers 1 and DeepSpeed's batch check fails). `ScaleTrainer` calls it; a script that loads a model under
+    ZeRO-3 calls it first, as the recipes do. Calling it again changes nothing.
+
+    Example:
+        args = prepare_run(ScaleTrainingArguments(output_dir="out", zero_preset="auto", plan_model=model_path))
+        model = AutoModelForCausalLM.from_pretrained(model_path)  # partitioned at load when the plan is ZeRO-3
     """
-    import deepspeed
+    if args.zero_preset == "auto":
+        from hf_scale.presets.auto import planned_preset
 
-    _ = args.device  # starts the gloo process group
-    deepspeed.init_distributed(dist_backend="gloo")
+        args = dataclasses.replace(args, zero_preset=planned_preset(args, launched_world_size()))
+    if args.resume == "true":
+        check_resumable(args.output_dir)
+    check_output_dir(args.output_dir)  # a run that could never save stops before any work
+    if args.deepspeed and args.use_cpu and args.world_size > 1:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # joins the group the arguments' device started
+    return args

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, find_packed_sequence_indices, sdpa_mask
 
 PACKED_SDPA = "hf_scale_packed_sdpa"
 
@@ -22,7 +22,7 @@ _last_segments: tuple[torch.Tensor | None, list[list[int]]] = (None, [])
 
 
 def segment_starts(position_ids: torch.Tensor) -> list[list[int]]:
-    """For each row, where its examples start (positions that do not follow the previous one), and its end.
+    """For each row, where its examples start (as transformers' `find_packed_sequence_indices` reads them), and its end.
 
     Every layer of one forward gets the same `position_ids` tensor: the boundaries are read once per forward,
     so a GPU synchronises once, not once per layer.
@@ -30,9 +30,11 @@ def segment_starts(position_ids: torch.Tensor) -> list[list[int]]:
     global _last_segments
     if _last_segments[0] is position_ids:
         return _last_segments[1]
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    rows = [[*torch.nonzero(row).flatten().tolist(), row.numel()] for row in starts]
+    sequence_index = find_packed_sequence_indices(position_ids)  # None: one example in every row
+    if sequence_index is None:
+        rows = [[0, position_ids.shape[1]]] * position_ids.shape[0]
+    else:
+        rows = [[0, *(torch.nonzero(row.diff()).flatten() + 1).tolist(), row.numel()] for row in sequence_index]
     _last_segments = (position_ids, rows)
     return rows
 

@@ -18,7 +18,7 @@ from transformers.integrations.integration_utils import default_logdir
 from transformers.trainer import logger as trainer_logger
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, BestRun, rotate_checkpoints
 
-from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.callbacks import DivergenceGuard, ThroughputCallback, TrainingDiverged
 from hf_scale.checkpoints import (
     COMPLETE_MARKER,
@@ -64,7 +64,7 @@ class ScaleTrainer(Trainer):
                 f"ScaleTrainer needs ScaleTrainingArguments, got {type(args).__name__}: "
                 "ScaleTrainingArguments takes every TrainingArguments field"
             )
-        super().__init__(model=model, args=args or ScaleTrainingArguments(), **kwargs)
+        super().__init__(model=model, args=prepare_run(args or ScaleTrainingArguments()), **kwargs)
         check_process_group(self.args.world_size, self.accelerator.distributed_type.value)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             release_gil_to_collectives_at_exit()
@@ -327,18 +327,19 @@ class ScaleTrainer(Trainer):
     def hyperparameter_search(
         self,
         hp_space: Callable[[Any], dict[str, Any]] | None = None,
-        compute_objective: Callable[[dict[str, float]], float | list[float]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float] | None = None,
         n_trials: int = 20,
-        direction: str | list[str] | None = None,
+        direction: str | None = None,
         backend: str | None = "optuna",
         hp_name: Callable[[Any], str] | None = None,
         **kwargs: Any,
-    ) -> BestRun | list[BestRun]:
+    ) -> BestRun:
         """HF's `hyperparameter_search` on Optuna, correct with many processes, DeepSpeed, LoRA and many nodes.
 
         Same arguments and return as HF; `kwargs` take `hf_scale.hpo.SearchArguments` fields (storage, pruner,
         timeout, retrain_best, ...) and Optuna's create_study / optimize arguments. The objective is the best value
-        of `metric_for_best_model` (eval_loss by default) seen in each trial; `direction` defaults to its own. Every
+        of `metric_for_best_model` (eval_loss by default) seen in each trial; `direction` defaults to its own (one
+        objective: a list of directions is refused, since no single best trial could be reloaded). Every
         rank runs the same trials; afterwards the best trial's model is in `self.model` (saved to
         output_dir/best-model) and the study is `self.hp_search_study` on rank 0. See hf_scale/hpo.
 

@@ -1,8 +1,11 @@
+import json
+
 import pytest
 
 import hf_scale.arguments
-from hf_scale.arguments import ScaleTrainingArguments, accumulation_for_global_batch
+from hf_scale.arguments import ScaleTrainingArguments, accumulation_for_global_batch, prepare_run
 from hf_scale.errors import ConfigError
+from tests.helpers import assert_succeeded, run_command, torchrun
 
 
 def launched(monkeypatch, processes: int) -> None:
@@ -48,9 +51,9 @@ def test_unknown_zero_preset_lists_the_known_ones(tmp_path):
 
 def test_resume_needs_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="resume: output_dir .* does not exist"):
-        ScaleTrainingArguments(output_dir=str(tmp_path / "missing"), resume=True)
+        prepare_run(ScaleTrainingArguments(output_dir=str(tmp_path / "missing"), resume=True))
     with pytest.raises(ConfigError, match="resume: no complete checkpoint-"):
-        ScaleTrainingArguments(output_dir=str(tmp_path), resume=True)
+        prepare_run(ScaleTrainingArguments(output_dir=str(tmp_path), resume=True))
 
 
 def test_tensor_parallel_needs_a_multiple_of_its_size_in_processes(tmp_path):
@@ -63,3 +66,19 @@ def test_report_to_an_integration_that_is_not_installed_is_named_before_any_work
     assert ScaleTrainingArguments(output_dir=str(tmp_path), report_to="tensorboard").report_to == ["tensorboard"]
     with pytest.raises(ConfigError, match=r"report_to: 'wandb' is not installed \(pip install wandb\)"):
         ScaleTrainingArguments(output_dir=str(tmp_path), report_to=["tensorboard", "wandb"])
+
+
+@pytest.mark.slow
+def test_building_the_arguments_writes_nothing_and_starts_no_deepspeed_group(tmp_path):
+    # Two launched processes, ZeRO-3 on CPU: building the arguments describes the run; joining DeepSpeed's
+    # communication and probing output_dir wait for prepare_run (ScaleTrainer calls it).
+    result = run_command(torchrun("tests/distributed/arguments_worker.py", str(tmp_path / "run")), timeout=300)
+    assert_succeeded(result)
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(report["rank"] for report in reports) == [0, 1]
+    for report in reports:
+        built = report["built"]
+        assert built["writes"] == [] and built["deepspeed_comm"] is False, built
+        assert built["accumulation"] == 4  # 16 = 2 per device x 2 processes x 4
+        assert report["prepared_deepspeed_comm"] is True
+    assert not (tmp_path / "run").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, TrainerCallback
 
-from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.checkpoints import last_complete_checkpoint, mark_complete
 from hf_scale.data.templates import ALPACA
 from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
@@ -100,11 +100,11 @@ def test_a_read_only_output_dir(read_only_folder):
         check_output_dir(read_only_folder / "run")
 
 
-def test_the_training_arguments_check_the_output_dir(tmp_path):
+def test_preparing_the_run_checks_the_output_dir(tmp_path):
     file = tmp_path / "notes.txt"
     file.write_text("x")
     with pytest.raises(ConfigError, match="output_dir: .*notes.txt exists and is not a folder"):
-        ScaleTrainingArguments(output_dir=str(file), report_to="none")
+        prepare_run(ScaleTrainingArguments(output_dir=str(file), report_to="none"))
 
 
 # --- the guard around one checkpoint save ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ PUBLIC_API = [
     "hf_scale.trainer:ScaleTrainer",
     "hf_scale.trainer:ScaleTrainer.hyperparameter_search",
     "hf_scale.arguments:ScaleTrainingArguments",
+    "hf_scale.arguments:prepare_run",
     "hf_scale.data.templates:get_template",
     "hf_scale.data.loading:load_records",
     "hf_scale.data.tokenize:tokenize_records",

@@ -1,8 +1,8 @@
 """Hyperparameter search with Optuna behind `ScaleTrainer.hyperparameter_search`: many processes, DeepSpeed, LoRA,
-many nodes. One idea per module: `space` (what is searched), `sync` (ranks in step), `objective` (what is scored),
-`pruning`, `storage` (where the study lives), `callback` and `trial` (one trial on every rank), `release` (memory
-between trials), `lora` (the LoRA fast path), `search` (the whole search), `report` (trials table and plots),
-`settings` (the search's arguments).
+many nodes. One idea per module: `space` (what is searched), `sync` (the rank protocol: every message between ranks),
+`objective` (what is scored), `storage` (where the study lives), `trial` (one trial on every rank, its callback and
+its cleanup), `lora` (the LoRA fast path), `search` (the whole search and its pruner), `report` (trials table and
+plots), `settings` (the search's arguments).
 """
 
 from hf_scale.hpo.settings import SearchArguments

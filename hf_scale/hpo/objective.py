@@ -9,7 +9,7 @@ refused before any trial runs, or at the first evaluation for a `compute_objecti
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from hf_scale.errors import ConfigError
@@ -19,7 +19,7 @@ DIRECTIONS = ("minimize", "maximize")
 LOWER_IS_BETTER = ("loss", "perplexity", "ppl", "error", "wer", "cer")
 HIGHER_IS_BETTER = ("accuracy", "exact_match", "f1", "bleu", "rouge", "precision", "recall", "auc")
 
-Objective = Callable[[dict[str, float]], float | Sequence[float]]
+Objective = Callable[[dict[str, float]], float]
 
 
 def objective_metric(args: Any) -> str:
@@ -51,27 +51,22 @@ def metric_objective(metric: str) -> Objective:
     return compute_objective
 
 
-def resolve_direction(direction: str | list[str] | None, compute_objective: Objective | None, args: Any) -> Any:
-    """The direction(s) of the search: given, or the default objective's own; a contradiction is a ConfigError."""
-    given = [direction] if isinstance(direction, str) else list(direction or [])
-    for value in given:
-        if value not in DIRECTIONS:
-            raise ConfigError(f"direction: {value!r} is neither 'minimize' nor 'maximize'")
+def resolve_direction(direction: str | None, compute_objective: Objective | None, args: Any) -> str:
+    """The direction of the search: given, or the default objective's own; a contradiction is a ConfigError."""
+    if direction is not None and direction not in DIRECTIONS:
+        raise ConfigError(
+            f"direction: {direction!r} is neither 'minimize' nor 'maximize' (the search optimizes one objective)"
+        )
     if compute_objective is not None:
-        return direction if direction is not None else "minimize"
+        return direction or "minimize"
     metric = objective_metric(args)
     if args.metric_for_best_model and args.greater_is_better is not None:
         natural = "maximize" if args.greater_is_better else "minimize"
     else:
         natural = natural_direction(metric) or "minimize"
-    if len(given) > 1:
+    if direction is not None and direction != natural:
         raise ConfigError(
-            f"direction: {len(given)} directions but the objective is the single metric {metric}; pass a "
-            "compute_objective that returns one value per direction for a multi-objective search"
-        )
-    if given and given[0] != natural:
-        raise ConfigError(
-            f"direction={given[0]!r} contradicts the objective {metric}, which is better when "
+            f"direction={direction!r} contradicts the objective {metric}, which is better when "
             f"{'higher' if natural == 'maximize' else 'lower'}: use direction={natural!r}, or set "
             "metric_for_best_model / greater_is_better to the metric you mean"
         )

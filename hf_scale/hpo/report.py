@@ -6,14 +6,13 @@ while a search runs or after it.
 
 from __future__ import annotations
 
-import csv
 import importlib.util
-import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 import optuna
+import pandas
 from optuna.trial import TrialState
 
 from hf_scale.errors import ConfigError
@@ -21,7 +20,8 @@ from hf_scale.hpo.storage import JOURNAL_PREFIX, open_storage, quiet_experimenta
 from hf_scale.safety import mask_secrets
 
 PLOTS = ("optimization_history", "intermediate_values", "param_importances")
-SUMMARY_COLUMNS = ("number", "state", "value", "best_evaluation", "evaluations", "duration_s")
+SUMMARY_COLUMNS = ["number", "state", "value", "best_evaluation", "evaluations", "duration_s"]
+COLUMNS = [*SUMMARY_COLUMNS, "stopped_by", "retry_of", "run_name", "worker"]
 
 
 def study_storage_spec(study: str) -> str:
@@ -55,69 +55,52 @@ def load_study(study: str, study_name: str | None = None) -> optuna.Study:
     return optuna.load_study(study_name=study_name, storage=storage)
 
 
-def trials_table(study: optuna.Study) -> list[dict[str, Any]]:
-    """One row per trial: state, value(s), where its best evaluation was, duration, its values, its error."""
-    rows = []
-    for trial in study.trials:
-        attrs = trial.user_attrs
-        duration = trial.duration.total_seconds() if trial.duration else None
-        row: dict[str, Any] = {
-            "number": trial.number,
-            "state": trial.state.name,
-            "value": trial.values[0] if trial.values and len(trial.values) == 1 else trial.values,
-            "best_evaluation": attrs.get("best_evaluation"),
-            "evaluations": len(trial.intermediate_values) or attrs.get("evaluations"),
-            "stopped_by": attrs.get("stopped_by"),
-            "duration_s": round(duration, 2) if duration is not None else None,
-            "retry_of": trial.system_attrs.get("failed_trial"),
-            "run_name": attrs.get("run_name"),
-            "worker": attrs.get("worker"),
-        }
-        hyperparameters = attrs.get("hyperparameters", trial.params)
-        row.update({f"param_{key}": value for key, value in hyperparameters.items()})
-        row["error"] = (attrs.get("error") or "").split("\n", 1)[0] or None
-        rows.append(row)
-    return rows
+def trials_table(study: optuna.Study) -> pandas.DataFrame:
+    """One row per trial: Optuna's `trials_dataframe()`, with hf_scale's trial attributes as plain columns, the values
+    each trial applied as `param_*` (derived ones such as gradient_accumulation_steps included), and its error's first
+    line."""
+    table = study.trials_dataframe(
+        attrs=("number", "state", "value", "duration", "params", "user_attrs", "system_attrs", "intermediate_values")
+    )
+    if table.empty:
+        return pandas.DataFrame(columns=COLUMNS)
+    table.columns = [column.removeprefix("user_attrs_") for column in table.columns]
+    evaluated = table.filter(like="intermediate_values_").notna().sum(axis=1)
+    if "evaluations" in table:
+        evaluated = evaluated.where(evaluated > 0, table["evaluations"])
+    table["evaluations"] = evaluated
+    table["duration_s"] = table["duration"].dt.total_seconds().round(2)
+    table = table.rename(columns={"system_attrs_failed_trial": "retry_of"}).reindex(
+        columns=[*COLUMNS, "hyperparameters", "error", *table.filter(like="params_").columns]
+    )
+    if table["hyperparameters"].notna().all():  # what the trials applied, not only what Optuna sampled
+        applied = pandas.DataFrame(table["hyperparameters"].tolist(), index=table.index)
+        table = pandas.concat(
+            [table.drop(columns=table.filter(like="params_").columns), applied.add_prefix("params_")], axis=1
+        )
+    table.columns = [column.replace("params_", "param_", 1) for column in table.columns]
+    table["error"] = table["error"].map(lambda error: error.split("\n")[0] if isinstance(error, str) else None)
+    return table.drop(columns="hyperparameters")
 
 
-def render_summary(study: optuna.Study, rows: list[dict[str, Any]]) -> str:
+def render_summary(study: optuna.Study, table: pandas.DataFrame) -> str:
     """Counts by state, the best trial, and the table's main columns as text."""
-    states = [row["state"] for row in rows]
+    counts = table["state"].value_counts().sort_index()
     lines = [
-        f"study {study.study_name!r}: {len(rows)} trial(s): "
-        + ", ".join(f"{state.lower()} {states.count(state)}" for state in sorted(set(states)))
+        f"study {study.study_name!r}: {len(table)} trial(s): "
+        + ", ".join(f"{s.lower()} {n}" for s, n in counts.items())
     ]
-    complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    if complete and len(study.directions) == 1:
+    if (table["state"] == "COMPLETE").any() and len(study.directions) == 1:
         best = study.best_trial
         lines.append(f"best: trial {best.number}, value {best.value:.6g}, {best.user_attrs.get('hyperparameters')}")
-    params = sorted({key for row in rows for key in row if key.startswith("param_")})
-    columns = [*SUMMARY_COLUMNS, *params]
-    lines.append("  ".join(f"{column.removeprefix('param_'):>14}" for column in columns))
-    for row in rows:
-        lines.append("  ".join(f"{_cell(row.get(column)):>14}" for column in columns))
+    columns = [*SUMMARY_COLUMNS, *table.filter(like="param_").columns]
+    lines.append(table[columns].to_string(index=False, na_rep="-", float_format="{:.4g}".format))
     return "\n".join(lines)
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)[:14]
-
-
-def write_table(rows: list[dict[str, Any]], folder: Path) -> tuple[Path, Path]:
-    columns: list[str] = []
-    for row in rows:
-        columns += [key for key in row if key not in columns]
-    csv_path, json_path = folder / "trials.csv", folder / "trials.json"
-    with csv_path.open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    json_path.write_text(json.dumps(rows, indent=2, default=str) + "\n")
-    return csv_path, json_path
+def write_table(table: pandas.DataFrame, folder: Path) -> None:
+    table.to_csv(folder / "trials.csv", index=False)
+    (folder / "trials.json").write_text(table.to_json(orient="records", indent=2) + "\n")
 
 
 def draw_plots(study: optuna.Study, folder: Path) -> list[Path]:
@@ -130,16 +113,13 @@ def draw_plots(study: optuna.Study, folder: Path) -> list[Path]:
 
     has_plotly = importlib.util.find_spec("plotly") is not None
     written = []
-    target = None if len(study.directions) == 1 else (lambda t: t.values[0])
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     for name in PLOTS:
-        if name == "param_importances" and (len(complete) < 2 or len(study.directions) > 1):
-            continue  # importances need two complete trials and one objective
+        if name == "param_importances" and len(complete) < 2:
+            continue  # importances need two complete trials
         if name == "intermediate_values" and not any(t.intermediate_values for t in study.trials):
             continue
-        kwargs: dict[str, Any] = (
-            {"target": target, "target_name": "objective"} if name != "intermediate_values" and target else {}
-        )
+        kwargs: dict[str, Any] = {}
         if name == "param_importances" and importlib.util.find_spec("sklearn") is None:
             # Optuna's default (fANOVA) needs scikit-learn; PED-ANOVA needs nothing more.
             with quiet_experimental():
@@ -174,8 +154,8 @@ def write_report(study: optuna.Study, folder: str | Path) -> Path:
     """Trials table, summary and plots of `study` in `folder`; return the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rows = trials_table(study)
-    write_table(rows, folder)
-    (folder / "summary.txt").write_text(render_summary(study, rows) + "\n")
+    table = trials_table(study)
+    write_table(table, folder)
+    (folder / "summary.txt").write_text(render_summary(study, table) + "\n")
     draw_plots(study, folder)
     return folder

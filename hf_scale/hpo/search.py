@@ -9,49 +9,44 @@ At the end the best trial's model is reloaded (or retrained) into the trainer on
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
+from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, BestRun
 
 from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.hpo import sync
-from hf_scale.hpo.callback import Decision
 from hf_scale.hpo.lora import AdapterFactory, is_peft_model
 from hf_scale.hpo.objective import metric_objective, objective_metric, resolve_direction
-from hf_scale.hpo.pruning import make_pruner
-from hf_scale.hpo.release import frozen_gc
 from hf_scale.hpo.settings import SEARCH_FIELDS, SearchArguments
 from hf_scale.hpo.space import default_hp_space
 from hf_scale.hpo.storage import JournalHeartbeat, open_storage, quiet_experimental, storage_spec
+from hf_scale.hpo.sync import ABORTED, COMPLETE, FAILED, SKIP, STOPPED, Decision, TrialPlan
 from hf_scale.hpo.trial import (
-    ABORTED,
-    COMPLETE,
-    FAILED,
     PER_TRIAL_FIELDS,
-    STOPPED,
-    TrialPlan,
     build_model,
     configure_trial,
     qualifies_for_fast_path,
     run_trial,
     trial_folder,
-    zero3_enabled,
 )
 from hf_scale.safety import mask_secrets
 
 # Arguments of optuna.create_study and Study.optimize that the search takes, as HF's Optuna backend does.
 STUDY_KWARGS = {"sampler", "pruner", "storage", "load_if_exists"}
 OPTIMIZE_KWARGS = {"timeout", "n_jobs", "gc_after_trial", "catch", "callbacks", "show_progress_bar"}
-SKIP = "skip"  # rank 0's message when it could not even sample a trial
+PRUNERS = ("median", "hyperband", "none")
 
 
 class TrialFailed(RuntimeError):
@@ -73,6 +68,43 @@ class BestTrial:
 def say(message: str) -> None:
     if sync.rank() == 0:
         print(f"hf_scale hpo: {message}", flush=True)
+
+
+def make_pruner(
+    name: str = "median", startup_trials: int = 4, warmup_evaluations: int = 1
+) -> optuna.pruners.BasePruner:
+    """The pruner called `name`; a trial reports at each evaluation, numbered from 1, so that trials with different
+    batch sizes or epoch lengths are compared at the same point of their training.
+
+    median: a trial is stopped when its value at an evaluation is worse than the median of the earlier trials' values
+    at the same evaluation, once `startup_trials` trials have finished and after its first `warmup_evaluations`
+    evaluations. hyperband: successive halving over brackets, from 1 evaluation to as many as a full trial makes.
+    """
+    if name not in PRUNERS:
+        raise ConfigError(f"pruner: unknown pruner {name!r}; choose one of {', '.join(PRUNERS)}")
+    if startup_trials < 0 or warmup_evaluations < 0:
+        raise ConfigError("pruner: startup_trials and warmup_evaluations must be >= 0")
+    if name == "none":
+        return optuna.pruners.NopPruner()
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource="auto", reduction_factor=3)
+    # Optuna never prunes at a step below n_warmup_steps; steps here start at evaluation 1.
+    return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=warmup_evaluations + 1)
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Exempt every object alive now (modules, datasets, the tokenizer) from garbage collection while inside.
+
+    A full collection walks every object: with transformers, peft and deepspeed imported that is about a second, and
+    accelerate collects at every train() and every release. Frozen, a collection looks only at what the trials
+    created, which is what it is there to free."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[SearchArguments, dict[str, Any], dict[str, Any]]:
@@ -122,7 +154,6 @@ class Search:
         if settings.n_trials < 1:
             raise ConfigError(f"n_trials: must be at least 1, got {settings.n_trials}")
         self.direction = resolve_direction(direction, compute_objective, args)
-        self.multi_objective = not isinstance(self.direction, str)
         self.compute_objective = compute_objective or metric_objective(objective_metric(args))
         self.objective_label = "compute_objective" if compute_objective else objective_metric(args)
         self.catch = tuple(optimize.get("catch", ()))
@@ -151,7 +182,6 @@ class Search:
         self.trial: optuna.Trial | None = None
         self.study_best: float | None = None  # the study's best value when the running trial started
         self.deadline = time.time() + settings.timeout if settings.timeout else None
-        self.stop_requested = False
         self.peers_gone = False
         self.journal_heartbeat: JournalHeartbeat | None = None
         self.outcomes: list[dict[str, Any]] = []  # this worker's trials, for tests and the benchmark
@@ -165,27 +195,23 @@ class Search:
         where = type(storage).__name__ if storage is not None else mask_secrets(spec)
         if storage is None:
             storage = open_storage(spec, settings.heartbeat_interval, settings.grace_period, settings.max_retry)
-        if isinstance(storage, optuna.storages.JournalStorage):
-            self.journal_heartbeat = JournalHeartbeat(
-                settings.heartbeat_interval, settings.grace_period, settings.max_retry
-            )
         pruner = self.study_kwargs.get("pruner") or make_pruner(
-            settings.pruner, settings.startup_trials, settings.warmup_evaluations, self.multi_objective
+            settings.pruner, settings.startup_trials, settings.warmup_evaluations
         )
-        if self.multi_objective and not isinstance(pruner, optuna.pruners.NopPruner):
-            say("a multi-objective search does not prune: the pruner is ignored")
-            pruner = optuna.pruners.NopPruner()
-        directions = {"directions": self.direction} if self.multi_objective else {"direction": self.direction}
         try:
             study = optuna.create_study(
                 storage=storage,
                 study_name=settings.study_name,
                 pruner=pruner,
                 load_if_exists=self.study_kwargs.get("load_if_exists", True),
-                **directions,
+                direction=self.direction,
             )
         except ValueError as error:  # e.g. the stored study has other directions
             raise ConfigError(f"storage {where}, study {settings.study_name!r}: {error}") from None
+        if isinstance(storage, optuna.storages.JournalStorage):
+            self.journal_heartbeat = JournalHeartbeat(
+                study, storage, settings.heartbeat_interval, settings.grace_period, settings.max_retry
+            )
         existing = len(study.trials)
         sampler = self.study_kwargs.get("sampler")
         if sampler is None:
@@ -207,15 +233,13 @@ class Search:
         """Why no new trial should start, or None."""
         study = self.study
         if self.journal_heartbeat is not None:
-            self.journal_heartbeat.fail_stale(study)
+            self.journal_heartbeat.fail_stale()
         else:
             with quiet_experimental():
                 optuna.storages.fail_stale_trials(study)  # a dead worker's trial: FAIL and queued again
         trials = study.get_trials(deepcopy=False)
         counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING) for t in trials)
         failures = sum(t.state == TrialState.FAIL for t in trials)
-        if self.stop_requested:
-            return "a callback stopped the study"
         if counted >= self.settings.n_trials:
             return f"the study holds {counted} trial(s), n_trials={self.settings.n_trials}"
         if self.deadline is not None and time.time() >= self.deadline:
@@ -225,27 +249,21 @@ class Search:
             return f"{failures} failed trial(s), max_failures={max_failures}"
         return None
 
-    def decide(self, value: float | None, evaluation: int) -> Decision:
+    def decide(self, value: float, evaluation: int) -> Decision:
         """Rank 0, after each evaluation: report it, and say whether to prune or stop and whether it beats the study."""
         stop = self.deadline is not None and time.time() >= self.deadline
-        prune = False
-        if value is not None and self.trial is not None:
-            self.trial.report(value, evaluation)
-            prune = self.trial.should_prune()
-        beats = (
-            value is None
-            or self.study_best is None
-            or (value < self.study_best if self.direction == "minimize" else value > self.study_best)
+        self.trial.report(value, evaluation)
+        beats = self.study_best is None or (
+            value < self.study_best if self.direction == "minimize" else value > self.study_best
         )
-        return Decision(prune=prune, stop=stop, beats_study=beats)
+        return Decision(prune=self.trial.should_prune(), stop=stop, beats_study=beats)
 
     def objective(self, trial: optuna.Trial) -> Any:
         """Rank 0's Optuna objective: sample, send the plan, run the trial with every rank, gather the outcomes."""
         self.trial = trial
         self.study_best = None
-        if not self.multi_objective:
-            with contextlib.suppress(ValueError):  # no complete trial yet
-                self.study_best = self.study.best_value
+        with contextlib.suppress(ValueError):  # no complete trial yet
+            self.study_best = self.study.best_value
         try:
             params = dict(self.hp_space(trial))
             run_name = self.hp_name(trial) if self.hp_name else f"{self.base_run_name}-trial-{trial.number}"
@@ -260,11 +278,10 @@ class Search:
         say(f"trial {trial.number}: {json.dumps(params, default=str)}")
         sync.broadcast(plan)
         if self.journal_heartbeat is not None:
-            self.journal_heartbeat.start(self.study, trial._trial_id)
+            self.journal_heartbeat.start(trial.number)
         try:
             outcome = run_trial(self.trainer, self, plan)
-            sync.meet_at_trial_end(plan.number, outcome.error, self.settings.trial_end_timeout)
-            outcomes = sync.gather(outcome)
+            outcomes = sync.end_trial(plan.number, outcome, self.settings.trial_end_timeout)
         finally:
             if self.journal_heartbeat is not None:
                 self.journal_heartbeat.stop()
@@ -301,37 +318,33 @@ class Search:
         self.outcomes.append({"number": plan.number, "params": plan.params, **asdict(mine)})
 
     def after_trial(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
-        """Optuna callback: the user's callbacks, then keep only the best trials' checkpoints."""
-        for callback in self.callbacks:
-            callback(study, frozen)
-            self.stop_requested = self.stop_requested or getattr(study, "_stop_flag", False)
+        """Optuna callback, after the user's: keep only the best trial's checkpoints; stop the study when it is time."""
         self.remove_checkpoints_except_best(study)
+        if self.stop_reason() is not None:
+            study.stop()
 
     def remove_checkpoints_except_best(self, study: optuna.Study) -> None:
-        """Delete this worker's trial checkpoints except the best trials': the search keeps O(1) checkpoints."""
-        try:
-            best = study.best_trials if self.multi_objective else [study.best_trial]
-        except ValueError:  # no complete trial yet
-            best = []
-        keep = {Path(self.output_dir).resolve() / trial_folder(t.number) for t in best}
+        """Delete this worker's trial checkpoints except the best trial's: the search keeps O(1) checkpoints."""
+        keep = None
+        with contextlib.suppress(ValueError):  # no complete trial yet
+            keep = Path(self.output_dir).resolve() / trial_folder(study.best_trial.number)
         for folder in Path(self.output_dir).glob("trial-*"):
-            if folder.resolve() not in keep:
+            if folder.resolve() != keep:
                 for checkpoint in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
                     shutil.rmtree(checkpoint, ignore_errors=True)
 
     def lead(self) -> None:
-        """Rank 0: run trials until a stop reason, then tell the other ranks to stop."""
+        """Rank 0: run trials until a stop reason (or a user's callback stops the study), then tell the others."""
         self.study = self.open_study()
-        catch = (TrialFailed, *self.catch)
         try:
-            while (reason := self.stop_reason()) is None:
+            if (reason := self.stop_reason()) is None:
                 self.study.optimize(
                     self.objective,
-                    n_trials=1,
-                    catch=catch,
-                    callbacks=[self.after_trial],
+                    catch=(TrialFailed, *self.catch),
+                    callbacks=[*self.callbacks, self.after_trial],
                     gc_after_trial=self.gc_after_trial,
                 )
+                reason = self.stop_reason() or "a callback stopped the study"
             say(f"search ends: {reason}")
         finally:
             if not self.peers_gone:
@@ -343,8 +356,7 @@ class Search:
             if plan == SKIP:
                 continue
             outcome = run_trial(self.trainer, self, plan)
-            sync.meet_at_trial_end(plan.number, outcome.error, self.settings.trial_end_timeout)
-            outcomes = sync.gather(outcome)
+            outcomes = sync.end_trial(plan.number, outcome, self.settings.trial_end_timeout)
             self.record(plan, outcomes)
             aborted = [o for o in outcomes if o.state == ABORTED]
             if aborted:
@@ -361,14 +373,9 @@ class Search:
         elif self.adapters is not None:
             self.adapters.release(model)
 
-    def best_trial(self) -> BestTrial | list[BestRun] | str:
-        """Rank 0: the best trial (or the best runs of a multi-objective search), or why there is none."""
+    def best_trial(self) -> BestTrial | str:
+        """Rank 0: the best trial, or why there is none."""
         study = self.study
-        if self.multi_objective:
-            return [
-                BestRun(str(t.number), t.values, t.user_attrs.get("hyperparameters", t.params))
-                for t in study.best_trials
-            ]
         try:
             best = study.best_trial
         except ValueError:
@@ -383,7 +390,7 @@ class Search:
             run_name=best.user_attrs.get("run_name", f"{self.base_run_name}-trial-{best.number}"),
         )
 
-    def run(self) -> BestRun | list[BestRun]:
+    def run(self) -> BestRun:
         sync.start_control_group(self.settings.trial_end_timeout)
         with frozen_gc():
             if sync.rank() == 0:
@@ -393,9 +400,6 @@ class Search:
         best = sync.broadcast(self.best_trial() if sync.rank() == 0 else None)
         if isinstance(best, str):
             raise HfScaleError(f"hyperparameter_search: {best}")
-        if isinstance(best, list):
-            self.restore_arguments()
-            return best
         self.finish(best)
         if sync.rank() == 0 and self.settings.report:
             from hf_scale.hpo.report import write_report
@@ -403,10 +407,6 @@ class Search:
             folder = write_report(self.study, Path(self.output_dir) / "hpo-report")
             say(f"trials table and plots in {folder}")
         return BestRun(str(best.number), best.value, best.params)
-
-    def restore_arguments(self) -> None:
-        """The arguments as the search found them (a multi-objective search has no one best trial to apply)."""
-        self.trainer.args = self.base_args
 
     def finish(self, best: BestTrial) -> None:
         """Every rank: the best trial's model in the trainer, reloaded from its checkpoint or retrained, and saved."""
@@ -417,11 +417,11 @@ class Search:
         trainer.args.run_name = self.base_args.run_name
         have_checkpoint = best.checkpoint is not None and os.path.isdir(best.checkpoint)
         everyone_has_it = all(sync.gather(have_checkpoint))
-        retrain = self.settings.retrain_best or not everyone_has_it or zero3_enabled()
+        retrain = self.settings.retrain_best or not everyone_has_it or is_deepspeed_zero3_enabled()
         model = build_model(trainer, self, plan, lora_updates)
         trainer.model = trainer.model_wrapped = model
         if trainer.place_model_on_device:
-            trainer._move_model_to_device(model, trainer.args.device)
+            model.to(trainer.args.device)
         trainer._wrapping_checked = False
         if retrain:
             why = "retrain_best" if self.settings.retrain_best else "its checkpoint is not on every node or ZeRO-3"
@@ -435,6 +435,7 @@ class Search:
                 trainer.args.output_dir = self.base_args.output_dir
         else:
             say(f"best trial {best.number} ({best.value}): reloading {best.checkpoint}")
+            # The Trainer's own loader (resume and load_best_model_at_end use it): full weights, shards or adapters.
             trainer._load_from_checkpoint(best.checkpoint, model)
         save_model(trainer, str(Path(self.output_dir) / "best-model"))
         for name in PER_TRIAL_FIELDS:  # the best trial's values stay; the search's own settings go
@@ -464,11 +465,11 @@ def hyperparameter_search(
     hp_space: Any = None,
     compute_objective: Any = None,
     n_trials: int = 20,
-    direction: str | list[str] | None = None,
+    direction: str | None = None,
     backend: str | None = None,
     hp_name: Any = None,
     **kwargs: Any,
-) -> BestRun | list[BestRun]:
+) -> BestRun:
     """`Trainer.hyperparameter_search` with Optuna, for one or many processes; see `ScaleTrainer`."""
     if backend is not None and str(getattr(backend, "value", backend)) != "optuna":
         raise ConfigError(f"backend: hf_scale's search runs on Optuna only, got {backend!r}")

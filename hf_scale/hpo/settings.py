@@ -44,7 +44,7 @@ class SearchArguments:
     study_name: str = field(default="hf_scale", metadata={"help": "The study's name in the storage."})
     pruner: str = field(
         default="median",
-        metadata={"help": "median (default), hyperband or none. Multi-objective searches never prune."},
+        metadata={"help": "median (default), hyperband or none."},
     )
     startup_trials: int = field(
         default=4, metadata={"help": "median pruner: trials that finish before any trial is pruned."}

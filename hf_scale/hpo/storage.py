@@ -104,7 +104,16 @@ def open_storage(
 class JournalHeartbeat:
     """A heartbeat for the journal storage, kept as a trial system attribute (Optuna's covers RDB storages only)."""
 
-    def __init__(self, interval: int, grace_period: int | None, max_retry: int | None) -> None:
+    def __init__(
+        self,
+        study: optuna.Study,
+        storage: optuna.storages.BaseStorage,
+        interval: int,
+        grace_period: int | None,
+        max_retry: int | None,
+    ) -> None:
+        self.study, self.storage = study, storage
+        self.study_id = storage.get_study_id_from_name(study.study_name)
         self.interval = interval
         self.grace = grace_period or 2 * interval
         with quiet_experimental():
@@ -112,27 +121,32 @@ class JournalHeartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def fail_stale(self, study: optuna.Study) -> list[int]:
+    def trial_id(self, number: int) -> int:
+        return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, number)
+
+    def fail_stale(self) -> list[int]:
         """Mark FAIL (and queue again) every running trial whose heartbeat is older than the grace period."""
         now = time.time()
         failed = []
-        for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             beat = trial.system_attrs.get(HEARTBEAT_KEY, trial.datetime_start.timestamp())
             if now - beat > self.grace:
+                trial_id = self.trial_id(trial.number)
                 try:
-                    if study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                    if self.storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
                         failed.append(trial.number)
-                        self.retry(study, study._storage.get_trial(trial._trial_id))
+                        self.retry(self.study, self.storage.get_trial(trial_id))
                 except optuna.exceptions.UpdateFinishedTrialError:
                     pass  # another worker failed it first
         return failed
 
-    def start(self, study: optuna.Study, trial_id: int) -> None:
+    def start(self, trial_number: int) -> None:
         self._stop.clear()
+        trial_id = self.trial_id(trial_number)
 
         def beat() -> None:
             while True:
-                study._storage.set_trial_system_attr(trial_id, HEARTBEAT_KEY, time.time())
+                self.storage.set_trial_system_attr(trial_id, HEARTBEAT_KEY, time.time())
                 if self._stop.wait(self.interval):
                     return
 

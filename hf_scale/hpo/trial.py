@@ -11,53 +11,31 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import shutil
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import optuna
+from transformers import TrainerCallback
+from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, set_seed
 
 from hf_scale.errors import HfScaleError
 from hf_scale.hpo import sync
-from hf_scale.hpo.callback import TrialCallback
 from hf_scale.hpo.lora import fast_path_applies, with_adapters
-from hf_scale.hpo.release import release_trial
+from hf_scale.hpo.objective import BestValue, Objective, check_against_direction
 from hf_scale.hpo.space import split_hyperparameters
-
-COMPLETE, PRUNED, STOPPED, FAILED, ABORTED = "complete", "pruned", "stopped", "failed", "aborted"
-
-
-@dataclass
-class TrialPlan:
-    """What rank 0 sends every rank before a trial."""
-
-    number: int
-    params: dict[str, Any]  # what the trial applies (hp_space's dict)
-    suggested: dict[str, Any]  # what Optuna sampled (trial.params), for model_init(trial) on every rank
-    run_name: str
-
-
-@dataclass
-class Outcome:
-    """How a trial ended on one rank."""
-
-    state: str
-    value: Any = None
-    evaluations: int = 0
-    best_evaluation: int = 0
-    best_step: int = 0
-    checkpoint: str | None = None
-    error: str | None = None
-    seconds: float = 0.0
-    model_seconds: float = 0.0  # building the model (model_init, or only the adapters on the LoRA fast path)
-    rss_bytes: int | None = None  # this process's resident memory once the trial's state is released
+from hf_scale.hpo.sync import ABORTED, COMPLETE, FAILED, PRUNED, STOPPED, Decision, Outcome, TrialPlan
 
 
 class TrialFailedElsewhere(RuntimeError):
     """Another rank failed to set the trial up; this rank skips it too."""
+
+
+class TrialFailedOnRank0(RuntimeError):
+    """Rank 0 could not record an evaluation; every rank ends the trial with this error."""
 
 
 def trial_folder(number: int) -> str:
@@ -96,11 +74,13 @@ def configure_trial(trainer: Any, search: Any, plan: TrialPlan) -> dict[str, Any
     arg_updates, lora_updates = split_hyperparameters(plan.params, search.base_args)
     output_dir = str(Path(search.output_dir) / trial_folder(plan.number))
     trainer.args = trial_arguments(search.base_args, arg_updates, output_dir, plan.run_name)
+    # As transformers' own `Trainer._hp_search_setup` does (no public API does it): accelerate keeps the last trial's
+    # DeepSpeed plugin in its shared state, and the train loader reads the batch size from `_train_batch_size`.
     if trainer.args.deepspeed:
         from accelerate.state import AcceleratorState
 
         trainer.accelerator.free_memory()
-        AcceleratorState._reset_state()  # accelerate keeps the last trial's DeepSpeed plugin in its shared state
+        AcceleratorState._reset_state()
     trainer._train_batch_size = trainer.args.train_batch_size
     trainer.create_accelerator_and_postprocess()
     return lora_updates
@@ -120,7 +100,7 @@ def build_model(trainer: Any, search: Any, plan: TrialPlan, lora_updates: dict[s
 
 def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
     """Train one trial on this rank and say how it ended; the trial's state is released whatever happens."""
-    callback = TrialCallback(search.compute_objective, search.direction, search.decide)
+    callback = TrialCallback(search.compute_objective, search.direction, search.decide if sync.rank() == 0 else None)
     started = time.perf_counter()
     model_seconds = 0.0
     state, error = COMPLETE, None
@@ -137,7 +117,7 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
         # Every rank says whether it is ready before any trains: a rank whose setup failed must not leave the
         # others waiting in the first collective of training (DDP's broadcast of the weights) forever.
         error = None if setup_error is None else f"{type(setup_error).__name__}: {setup_error}"
-        building_is_collective = zero3_enabled()
+        building_is_collective = is_deepspeed_zero3_enabled()
         timeout = search.settings.trial_end_timeout if building_is_collective else trainer.args.ddp_timeout
         ready = sync.gather_ready(plan.number, error, timeout, building_is_collective)
         if setup_error is not None:
@@ -145,7 +125,7 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
         if not all(ready):
             raise TrialFailedElsewhere(f"rank {ready.index(False)} could not set the trial up")
         if trainer.place_model_on_device:
-            trainer._move_model_to_device(trainer.model, trainer.args.device)
+            trainer.model.to(trainer.args.device)
         trainer.optimizer = trainer.lr_scheduler = None
         trainer._wrapping_checked = False  # ScaleTrainer checks the new wrapper at the trial's first step
         trainer.add_callback(callback)
@@ -178,7 +158,7 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
         gc.collect()
     return Outcome(
         state=state,
-        value=callback.result(),
+        value=callback.best.value,
         evaluations=callback.best.evaluations,
         best_evaluation=callback.best.evaluation,
         best_step=callback.best.step,
@@ -199,11 +179,76 @@ def resident_memory() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def zero3_enabled() -> bool:
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    return is_deepspeed_zero3_enabled()
-
-
 def qualifies_for_fast_path(model: Any, enabled: bool) -> bool:
-    return enabled and fast_path_applies(model, zero3_enabled())
+    return enabled and fast_path_applies(model, is_deepspeed_zero3_enabled())
+
+
+def release_trial(trainer: Any) -> None:
+    """Drop the trial's model, wrapper, optimizer, scheduler and engine from the trainer; free what nothing else holds.
+
+    The Trainer hands them to its callbacks and to the Accelerator, which keeps its own lists: unless every reference
+    goes, each trial's model and optimizer states stay alive and memory grows trial after trial. The caller may still
+    hold the model (the LoRA fast path keeps its base): the last collection is the caller's."""
+    engine = getattr(trainer, "deepspeed", None)
+    if engine is not None and hasattr(engine, "destroy"):
+        engine.destroy()  # DeepSpeed keeps hooks and buffers that refer to the module until destroyed
+    trainer.deepspeed = trainer.model_wrapped = trainer.model = trainer.optimizer = trainer.lr_scheduler = None
+    handler = trainer.callback_handler
+    for name in ("model", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"):
+        setattr(handler, name, None)
+    # Its lists of prepared models, optimizers, schedulers and loaders; then gc and the device's cache.
+    trainer.accelerator.free_memory()
+
+
+class TrialCallback(TrainerCallback):
+    """Scores, prunes and stops one trial in step on every rank; keeps its best checkpoint only.
+
+    At each evaluation it scores the trial, asks rank 0 whether to prune or stop (`decide`, rank 0's only: it asks
+    the study and the clock), and applies the one answer on every rank, so that all of them leave the loop after the
+    same evaluation."""
+
+    def __init__(self, compute_objective: Objective, direction: str, decide: Any) -> None:
+        self.compute_objective = compute_objective
+        self.direction = direction
+        self.decide = decide  # (value, evaluation number) -> Decision
+        self.best = BestValue(direction)
+        self.pruned = False
+        self.stopped = False
+        self.keep = False  # whether the last evaluation is worth a checkpoint
+        self.saved_best = False  # whether the trial's best evaluation has its checkpoint
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        value = float(self.compute_objective(dict(metrics or {})))
+        if self.best.evaluations == 0:
+            check_against_direction(value, dict(metrics or {}), self.direction)
+        is_best = self.best.update(value, state.global_step)
+        decision = None
+        if self.decide is not None:
+            try:
+                decision = self.decide(value, self.best.evaluations)
+            except Exception as error:  # every rank must hear about it, or they wait in the broadcast below forever
+                decision = Decision(error=f"{type(error).__name__}: {error}")
+        decision = sync.broadcast(decision)
+        if decision.error:
+            raise TrialFailedOnRank0(f"rank 0 could not record evaluation {self.best.evaluations}: {decision.error}")
+        # Only the trial's best evaluation, and only when it beats the study, is worth a checkpoint.
+        self.keep = is_best and decision.beats_study and not (decision.prune or decision.stop)
+        self.saved_best = self.saved_best and not is_best  # a better evaluation makes the last checkpoint stale
+        control.should_save = control.should_save and self.keep
+        if decision.prune or decision.stop:
+            self.pruned, self.stopped = decision.prune, decision.stop
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved_best = True
+        if args.should_save:
+            keep = f"{PREFIX_CHECKPOINT_DIR}-{self.best.step}"
+            for folder in Path(args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+                if folder.name != keep:
+                    shutil.rmtree(folder, ignore_errors=True)
+        return control
+
+    def best_checkpoint(self, output_dir: str) -> str | None:
+        path = Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.best.step}"
+        return str(path) if path.is_dir() else None

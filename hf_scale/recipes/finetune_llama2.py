@@ -21,7 +21,7 @@ Every config key is also a flag, and flags win: `--learning_rate 3e-5 --output_d
 import json
 from pathlib import Path
 
-from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.data.arguments import DataArguments
 from hf_scale.data.batching import make_collator
 from hf_scale.data.summary import batching_of, describe_data, render_masked_example
@@ -37,6 +37,7 @@ def main(argv: list[str]) -> dict:
     model_args, data_args, args = parse_recipe_arguments(
         argv, (ModelArguments, DataArguments, ScaleTrainingArguments), "tiny_cpu", __doc__
     )
+    args = prepare_run(args)  # zero_preset auto planned, output_dir writable, the checkpoint to resume there
 
     # 2. Data and tokenizer: Alpaca records, each one checked, a held-out split; labels on the response and EOS.
     data = prepare_data(model_args, data_args, args)

@@ -22,7 +22,7 @@ continues where it stopped. `hf-scale report output_dir/optuna_study.db` shows t
 import json
 from pathlib import Path
 
-from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.data.arguments import DataArguments
 from hf_scale.data.batching import make_collator
 from hf_scale.hpo import SearchArguments, default_hp_space
@@ -40,6 +40,7 @@ def main(argv: list[str]) -> dict:
         "search_tiny_cpu",
         __doc__,
     )
+    args = prepare_run(args)  # zero_preset auto planned, output_dir writable
     space_settings = space_args.settings()
 
     # 2. Data and tokenizer, once: every trial trains on the same examples.

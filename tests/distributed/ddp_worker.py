@@ -31,7 +31,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, HfArgumentParser, TrainerCallback, set_seed
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.checkpoints import is_complete, last_complete_checkpoint
 from hf_scale.data.batching import make_collator
 from hf_scale.data.templates import ALPACA
@@ -101,6 +101,7 @@ def main() -> None:
         ],
         look_for_args_file=False,
     )
+    args = prepare_run(args)  # before the model loads: ZeRO-3 partitions it as it loads
     with args.main_process_first():
         path = ensure_tiny_model()
     tokenizer = load_tokenizer(str(path))

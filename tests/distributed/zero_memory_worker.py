@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, TrainerCallback
 
-from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.data.tokenize import IGNORE_INDEX
 from hf_scale.modeling import load_tokenizer
 from hf_scale.tiny import ensure_tiny_model
@@ -87,16 +87,18 @@ class MeasureModelStates(TrainerCallback):
 
 
 preset, output_dir = sys.argv[1], Path(sys.argv[2])
-args = ScaleTrainingArguments(
-    output_dir=str(output_dir),
-    max_steps=3,
-    per_device_train_batch_size=8,
-    report_to="none",
-    save_strategy="no",
-    zero_preset=preset,
-    bf16=True,
-    disable_tqdm=True,
-)
+args = prepare_run(
+    ScaleTrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        report_to="none",
+        save_strategy="no",
+        zero_preset=preset,
+        bf16=True,
+        disable_tqdm=True,
+    )
+)  # before the model loads: ZeRO-3 partitions it as it loads
 with args.main_process_first():
     path = ensure_tiny_model()
 tokenizer = load_tokenizer(str(path))

@@ -12,9 +12,8 @@ from optuna.trial import TrialState
 from hf_scale.cli import main as cli_main
 from hf_scale.errors import ConfigError
 from hf_scale.hpo.objective import BestValue, check_against_direction, metric_objective, resolve_direction
-from hf_scale.hpo.pruning import make_pruner
 from hf_scale.hpo.report import load_study, trials_table, write_report
-from hf_scale.hpo.search import split_kwargs
+from hf_scale.hpo.search import make_pruner, split_kwargs
 from hf_scale.hpo.space import accumulation_steps, default_hp_space, effective_batch_choices, split_hyperparameters
 from hf_scale.hpo.storage import JournalHeartbeat, open_storage
 from hf_scale.hpo.sync import setup_missed_message
@@ -82,9 +81,10 @@ def test_direction_follows_the_objective_metric():
         resolve_direction("minimize", None, arguments("exact_match", True))
     with pytest.raises(ConfigError, match="neither 'minimize' nor 'maximize'"):
         resolve_direction("max", None, arguments())
-    # A custom objective: the caller's direction, minimize by default; several directions for several values.
+    # A custom objective: the caller's direction, minimize by default; one objective only.
     assert resolve_direction(None, lambda m: 0.0, arguments()) == "minimize"
-    assert resolve_direction(["minimize", "maximize"], lambda m: [0, 1], arguments()) == ["minimize", "maximize"]
+    with pytest.raises(ConfigError, match=r"\['minimize', 'maximize'\] is neither .* optimizes one objective"):
+        resolve_direction(["minimize", "maximize"], lambda m: [0, 1], arguments())
 
 
 def test_compute_objective_contradicting_the_direction_is_refused():
@@ -114,7 +114,7 @@ def test_pruners():
     assert isinstance(median, optuna.pruners.MedianPruner)
     assert median._n_startup_trials == 4 and median._n_warmup_steps == 2  # evaluation 1 is never pruned
     assert isinstance(make_pruner("hyperband"), optuna.pruners.HyperbandPruner)
-    assert isinstance(make_pruner("median", multi_objective=True), optuna.pruners.NopPruner)
+    assert isinstance(make_pruner("none"), optuna.pruners.NopPruner)
     with pytest.raises(ConfigError, match="unknown pruner 'asha'"):
         make_pruner("asha")
 
@@ -164,9 +164,9 @@ def finished_study(storage=None, name="s"):
 
 def test_report_writes_table_and_plots(tmp_path):
     study = finished_study()
-    rows = trials_table(study)
-    assert [row["state"] for row in rows] == ["COMPLETE"] * 3 + ["PRUNED", "COMPLETE"]
-    assert rows[0]["evaluations"] == 2 and "param_learning_rate" in rows[0]
+    table = trials_table(study)
+    assert list(table["state"]) == ["COMPLETE"] * 3 + ["PRUNED", "COMPLETE"]
+    assert table["evaluations"][0] == 2 and "param_learning_rate" in table
     folder = write_report(study, tmp_path / "report")
     table = list(csv.DictReader((folder / "trials.csv").open()))
     assert [int(row["number"]) for row in table] == [0, 1, 2, 3, 4]
@@ -190,15 +190,15 @@ def test_report_command_reads_a_study_file(tmp_path, capsys):
 def test_journal_heartbeat_fails_and_requeues_a_dead_workers_trial(tmp_path):
     storage = open_storage(f"journal:{tmp_path / 'study.journal'}")
     study = optuna.create_study(storage=storage)
-    heartbeat = JournalHeartbeat(interval=1, grace_period=1, max_retry=1)
+    heartbeat = JournalHeartbeat(study, storage, interval=1, grace_period=1, max_retry=1)
     trial = study.ask()
     trial.suggest_float("x", 0, 1)
-    heartbeat.start(study, trial._trial_id)
+    heartbeat.start(trial.number)
     time.sleep(0.2)
     heartbeat.stop()  # the worker "dies": no more heartbeats
-    assert heartbeat.fail_stale(study) == []  # still within the grace period
+    assert heartbeat.fail_stale() == []  # still within the grace period
     time.sleep(1.3)
-    assert heartbeat.fail_stale(study) == [0]
+    assert heartbeat.fail_stale() == [0]
     states = [t.state for t in study.get_trials(deepcopy=False)]
     assert states == [TrialState.FAIL, TrialState.WAITING]
     assert study.trials[1].params == study.trials[0].params

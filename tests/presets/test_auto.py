@@ -1,6 +1,6 @@
 import pytest
 
-from hf_scale.arguments import ScaleTrainingArguments
+from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.errors import ConfigError
 from hf_scale.hardware import gpu_from_device_name
 
@@ -27,7 +27,7 @@ def test_unknown_card_is_not_guessed():
 
 
 def planned(tmp_path, **kwargs) -> ScaleTrainingArguments:
-    return ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="auto", plan_seq_len=512, **kwargs)
+    return prepare_run(ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="auto", plan_seq_len=512, **kwargs))
 
 
 def test_auto_takes_the_planners_pick(tmp_path):
