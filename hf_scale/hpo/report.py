@@ -69,7 +69,7 @@ def trials_table(study: optuna.Study) -> pandas.DataFrame:
     if "evaluations" in table:
         evaluated = evaluated.where(evaluated > 0, table["evaluations"])
     table["evaluations"] = evaluated
-    table["duration_s"] = table["duration"].dt.total_seconds().round(2)
+    table["duration_s"] = pandas.to_timedelta(table["duration"]).dt.total_seconds().round(2)  # NaT while running
     table = table.rename(columns={"system_attrs_failed_trial": "retry_of"}).reindex(
         columns=[*COLUMNS, "hyperparameters", "error", *table.filter(like="params_").columns]
     )

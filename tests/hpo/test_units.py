@@ -216,3 +216,11 @@ def test_setup_missed_message_says_whether_this_rank_was_set_up_and_why_the_othe
     )
     assert raised_here.startswith("trial 4 on rank 0: setting it up raised here: RuntimeError: no disk, but not")
     assert "waited at most 1800 s: Application timeout caused pair closure); a rank is still building" in raised_here
+
+
+def test_report_of_a_study_whose_only_trial_is_still_running(tmp_path):
+    study = optuna.create_study(study_name="running")
+    study.ask().suggest_float("x", 0, 1)  # `hf-scale report` while the first trial trains: no duration yet
+    table = trials_table(study)
+    assert list(table["state"]) == ["RUNNING"] and table["duration_s"].isna().all()
+    assert "running 1" in (write_report(study, tmp_path / "report") / "summary.txt").read_text()
