@@ -35,12 +35,8 @@ def is_complete(folder: str | os.PathLike) -> bool:
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """The `checkpoint-N` folders of `output_dir`, oldest (lowest N) first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = [
-        (int(m.group(1)), p) for p in Path(output_dir).iterdir() if (m := _CHECKPOINT.match(p.name)) and p.is_dir()
-    ]
-    return [path for _, path in sorted(found)]
+    found = [path for path in Path(output_dir).glob("checkpoint-*") if _CHECKPOINT.match(path.name) and path.is_dir()]
+    return sorted(found, key=lambda path: int(path.name.removeprefix("checkpoint-")))
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike) -> Path | None:
@@ -50,8 +46,7 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> Path | None:
         resume = last_complete_checkpoint(args.output_dir) is not None  # e.g. after a torchrun restart
         trainer.train(resume_from_checkpoint=True if resume else None)
     """
-    complete = [path for path in checkpoints(output_dir) if is_complete(path)]
-    return complete[-1] if complete else None
+    return next((path for path in reversed(checkpoints(output_dir)) if is_complete(path)), None)
 
 
 def remove_incomplete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:

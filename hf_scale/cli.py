@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import shutil
 import sys
@@ -116,23 +117,14 @@ def plan_command(options: argparse.Namespace) -> None:
         lora_r=options.lora_r,
     )
     result = plan(model_shape(options.model), workload)
-    if options.json:
-        print(
-            json.dumps(
-                {
-                    "model": dataclasses.asdict(result.shape),
-                    "workload": {**dataclasses.asdict(workload), "gpu": dataclasses.asdict(gpu)},
-                    "strategies": {
-                        name: {**dataclasses.asdict(e), "total": e.total} for name, e in result.estimates.items()
-                    },
-                    "recommendation": result.recommendation,
-                    "advice": result.advice,
-                },
-                indent=2,
-            )
-        )
-    else:
-        print(render_plan(result))
+    summary = {
+        "model": dataclasses.asdict(result.shape),
+        "workload": {**dataclasses.asdict(workload), "gpu": dataclasses.asdict(gpu)},
+        "strategies": {name: {**dataclasses.asdict(e), "total": e.total} for name, e in result.estimates.items()},
+        "recommendation": result.recommendation,
+        "advice": result.advice,
+    }
+    print(json.dumps(summary, indent=2) if options.json else render_plan(result))
 
 
 def presets_command(options: argparse.Namespace) -> None:
@@ -154,14 +146,6 @@ def presets_command(options: argparse.Namespace) -> None:
         print(json.dumps(zero_preset(options.name), indent=2))
 
 
-def train_command(options: argparse.Namespace) -> None:
-    from hf_scale.recipes.finetune_llama2 import main as finetune
-
-    if "-h" in options.recipe_args or "--help" in options.recipe_args:
-        print(TRAIN_EXAMPLES)  # then the recipe's own help: how to launch it and every flag
-    finetune(options.recipe_args)
-
-
 def env_command(options: argparse.Namespace) -> None:
     from hf_scale.environment import environment_report, render_environment
 
@@ -169,12 +153,12 @@ def env_command(options: argparse.Namespace) -> None:
     print(json.dumps(report, indent=2) if options.json else render_environment(report))
 
 
-def search_command(options: argparse.Namespace) -> None:
-    from hf_scale.recipes.search_llama2 import main as search
-
+def recipe_command(options: argparse.Namespace) -> None:
+    """`train` and `search`: the recipe `options.recipe` (a key of RECIPE_FILES) with the flags given."""
     if "-h" in options.recipe_args or "--help" in options.recipe_args:
-        print(SEARCH_EXAMPLES)  # then the recipe's own help: how to launch it and every flag
-    search(options.recipe_args)
+        print(options.examples)  # then the recipe's own help: how to launch it and every flag
+    recipe = importlib.import_module(f"hf_scale.recipes.{RECIPE_FILES[options.recipe].removesuffix('.py')}")
+    recipe.main(options.recipe_args)
 
 
 def recipes_command(options: argparse.Namespace) -> None:
@@ -204,7 +188,11 @@ def report_command(options: argparse.Namespace) -> None:
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, with a bad argument reported on one line (and where the help is) instead of usage + error."""
+    """argparse, with a bad argument reported on one line (and where the help is) instead of usage + error, and
+    the examples of each epilog kept as written."""
+
+    def __init__(self, *args, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -212,18 +200,12 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog="hf-scale",
-        description="Instruction fine-tuning at scale, in the HF API.",
-        epilog=MAIN_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="hf-scale", description="Instruction fine-tuning at scale, in the HF API.", epilog=MAIN_EXAMPLES
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan_parser = commands.add_parser(
-        "plan",
-        help="memory per GPU for each strategy, and which to pick",
-        epilog=PLAN_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "plan", help="memory per GPU for each strategy, and which to pick", epilog=PLAN_EXAMPLES
     )
     plan_parser.add_argument("--model", required=True, help="hub id, local folder, or a known LLaMA-2 id (offline)")
     plan_parser.add_argument(
@@ -238,49 +220,30 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--json", action="store_true", help="machine-readable output")
     plan_parser.set_defaults(run=plan_command)
 
-    presets_parser = commands.add_parser(
-        "presets",
-        help="the shipped DeepSpeed ZeRO presets",
-        epilog=PRESETS_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    presets_parser = commands.add_parser("presets", help="the shipped DeepSpeed ZeRO presets", epilog=PRESETS_EXAMPLES)
     presets_parser.add_argument("action", choices=["list", "show"])
     presets_parser.add_argument("name", nargs="?", help="preset to show")
     presets_parser.set_defaults(run=presets_command)
 
-    train_parser = commands.add_parser(
-        "train",
-        help="fine-tune (the recipe hf_scale/recipes/finetune_llama2.py; accelerate launch -m hf_scale.cli train)",
-        description="Runs the fine-tuning recipe with the flags given; with none, the tiny CPU default.",
-        add_help=False,  # -h and every flag belong to the recipe
-        prefix_chars="\0",
-    )
-    train_parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags, e.g. --config X")
-    train_parser.set_defaults(run=train_command)
+    def add_recipe_command(name: str, recipe: str, what: str, examples: str) -> None:
+        where = f"the recipe hf_scale/recipes/{RECIPE_FILES[recipe]}; accelerate launch -m hf_scale.cli {name}"
+        # -h and every flag belong to the recipe
+        recipe_parser = commands.add_parser(name, help=f"{what} ({where})", add_help=False, prefix_chars="\0")
+        recipe_parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags, e.g. --config X")
+        recipe_parser.set_defaults(run=recipe_command, recipe=recipe, examples=examples)
+
+    add_recipe_command("train", "finetune", "fine-tune", TRAIN_EXAMPLES)
 
     env_parser = commands.add_parser(
-        "env",
-        help="versions, devices, DeepSpeed ops and what is missing",
-        epilog=ENV_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "env", help="versions, devices, DeepSpeed ops and what is missing", epilog=ENV_EXAMPLES
     )
     env_parser.add_argument("--json", action="store_true", help="machine-readable output")
     env_parser.set_defaults(run=env_command)
 
-    search_parser = commands.add_parser(
-        "search",
-        help="hyperparameter search (the recipe hf_scale/recipes/search_llama2.py; accelerate launch -m ...)",
-        add_help=False,  # -h and every flag belong to the recipe
-        prefix_chars="\0",
-    )
-    search_parser.add_argument("recipe_args", nargs=argparse.REMAINDER, help="the recipe's flags, e.g. --config X")
-    search_parser.set_defaults(run=search_command)
+    add_recipe_command("search", "search", "hyperparameter search", SEARCH_EXAMPLES)
 
     recipes_parser = commands.add_parser(
-        "recipes",
-        help="the shipped configs (for --config NAME); copy a recipe out to edit",
-        epilog=RECIPES_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "recipes", help="the shipped configs (for --config NAME); copy a recipe out to edit", epilog=RECIPES_EXAMPLES
     )
     recipes_parser.add_argument("action", choices=["list", "copy"])
     recipes_parser.add_argument("recipe", nargs="?", help="for copy: finetune or search")
@@ -288,10 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     recipes_parser.set_defaults(run=recipes_command)
 
     report_parser = commands.add_parser(
-        "report",
-        help="trials table and plots of a search's study",
-        epilog=REPORT_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "report", help="trials table and plots of a search's study", epilog=REPORT_EXAMPLES
     )
     report_parser.add_argument("study", help="a study file (optuna_study.db, a journal file) or a storage URL")
     report_parser.add_argument("--study-name", help="needed when the storage holds several studies")

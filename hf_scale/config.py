@@ -21,15 +21,15 @@ from transformers import HfArgumentParser
 from hf_scale.errors import ConfigError
 
 
-class _ArgparseError(ConfigError):
-    """A value argparse refused; `parse_config` adds where it came from."""
-
-
 class _RaisingParser(HfArgumentParser):
-    """argparse prints and exits on a bad value; here a bad value is an error the caller can place."""
+    """argparse prints and exits on a bad value; here a bad value is a `ConfigError` naming where it came from."""
+
+    def __init__(self, dataclass_types, cli_args: list[str], config_path: str | None):
+        super().__init__(dataclass_types, allow_abbrev=False)  # --learning_rat must not pass
+        self.cli_args, self.config_path = cli_args, config_path
 
     def error(self, message: str):
-        raise _ArgparseError(message)
+        raise ConfigError(_place(message, self.cli_args, self.config_path))
 
 
 # The configs shipped in the package, found by name: `--config llama2_7b_4xa100_zero1`.
@@ -102,21 +102,15 @@ def _unknown_key_error(key: str, known: list[str], source: str) -> ConfigError:
 
 def parse_config(parser: HfArgumentParser, argv: list[str]) -> tuple:
     """Parse `argv` (`--config FILE` plus flags) into `parser`'s dataclasses; flags override the file."""
-    raising, args, cli_args, config_path = _flags_from(parser, argv)
+    values = check_config(parser, argv)
     try:
-        *outputs, remaining = raising.parse_args_into_dataclasses(
-            args=args, return_remaining_strings=True, look_for_args_file=False
-        )
-    except _ArgparseError as error:
-        raise ConfigError(_place(str(error), cli_args, config_path)) from None
+        return parser.parse_dict(values)
     except ConfigError:
         raise
     except ValueError as error:  # TrainingArguments' own checks of value combinations
         raise ConfigError(f"invalid arguments: {error}") from None
     except (OSError, TypeError, KeyError, AttributeError) as error:  # a value it could not use: a path to no file
         raise ConfigError(f"invalid arguments: {type(error).__name__}: {error}") from None
-    _refuse_leftovers(remaining, raising)
-    return tuple(outputs)
 
 
 def check_config(parser: HfArgumentParser, argv: list[str]) -> dict[str, Any]:
@@ -125,20 +119,10 @@ def check_config(parser: HfArgumentParser, argv: list[str]) -> dict[str, Any]:
     For configs meant for another machine: building `TrainingArguments` with `bf16: true` or a DeepSpeed
     config fails on a CPU-only machine. Returns the parsed values by key.
     """
-    raising, args, cli_args, config_path = _flags_from(parser, argv)
-    try:
-        namespace, remaining = raising.parse_known_args(args)
-    except _ArgparseError as error:
-        raise ConfigError(_place(str(error), cli_args, config_path)) from None
-    _refuse_leftovers(remaining, raising)
-    return vars(namespace)
-
-
-def _flags_from(parser: HfArgumentParser, argv: list[str]) -> tuple[_RaisingParser, list[str], list[str], str | None]:
-    """The config file's values as flags, then the command line's: one list for argparse, last one wins."""
     config_path, cli_args = _split_config_flag(argv)
     actions = _actions(parser)
-    raising = _RaisingParser(parser.dataclass_types, allow_abbrev=False)  # --learning_rat must not pass
+    raising = _RaisingParser(parser.dataclass_types, cli_args, config_path)
+    # The config file's values as flags, then the command line's: one list for argparse, last one wins.
     file_args: list[str] = []
     if config_path is not None:
         source = f"config file {config_path}"
@@ -153,7 +137,9 @@ def _flags_from(parser: HfArgumentParser, argv: list[str]) -> tuple[_RaisingPars
                 raising.set_defaults(**{key: None})  # null means None, which no flag can say
             else:
                 file_args += _flags_for(key, value, actions[key], source)
-    return raising, file_args + cli_args, cli_args, config_path
+    namespace, remaining = raising.parse_known_args(file_args + cli_args)
+    _refuse_leftovers(remaining, raising)
+    return vars(namespace)
 
 
 def _takes_none(parser: HfArgumentParser, key: str) -> bool:

@@ -38,25 +38,19 @@ def _devices() -> dict[str, Any]:
     return devices
 
 
-def _compiled_ops() -> dict[str, bool]:
-    """Which DeepSpeed ops are already compiled in TORCH_EXTENSIONS_DIR (otherwise the first run compiles them)."""
-    folder = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not folder:
-        return {}
-    built = {path.parent.name for path in Path(folder).rglob("*.so")}
-    return {op: op in built for op in DEEPSPEED_OPS}
-
-
 def environment_report() -> dict[str, Any]:
     """Everything `hf-scale env` prints, as a dict."""
     versions = {package: _version(package) for package in PACKAGES}
+    # Which DeepSpeed ops are already compiled in TORCH_EXTENSIONS_DIR (otherwise the first run compiles them).
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR")
+    built = {path.parent.name for path in Path(extensions).rglob("*.so")} if extensions else set()
     return {
         "hf_scale": _version("hf-scale"),
         "packages": versions,
         "optional": {package: _version(package) for package in OPTIONAL},
         "devices": _devices(),
-        "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR"),
-        "deepspeed_ops_compiled": _compiled_ops(),
+        "torch_extensions_dir": extensions,
+        "deepspeed_ops_compiled": {op: op in built for op in DEEPSPEED_OPS} if extensions else {},
         "missing": [package for package, version in versions.items() if version is None],
         "hub_offline": os.environ.get("HF_HUB_OFFLINE") == "1",
     }

@@ -22,13 +22,6 @@ from hf_scale.metrics import load_metric
 GENERATION_METRICS = ("exact_match", "token_f1")
 
 
-def rank_share(records: Sequence[dict[str, str]], state: PartialState) -> Sequence[dict[str, str]]:
-    """This process's contiguous share of `records`: concatenated in rank order, the shares are `records`."""
-    per_process = math.ceil(len(records) / state.num_processes)
-    first = state.process_index * per_process
-    return records[first : first + per_process]
-
-
 @torch.no_grad()
 def generate_responses(
     model: PreTrainedModel,
@@ -38,25 +31,25 @@ def generate_responses(
     max_new_tokens: int = 16,
     batch_size: int = 64,
 ) -> list[str]:
-    """Greedy responses to this process's share of `records` (see `rank_share`), in order.
+    """Greedy responses to this process's contiguous share of `records` (concatenated in rank order, the shares are
+    `records`), in order.
 
     Every process runs the same number of `generate` calls (a process with no records left runs a dummy batch it
     does not keep), so ZeRO-3's synchronised generation never waits on a peer that stopped early. The model is put
     in eval mode and the caller's mode is restored.
     """
     state = PartialState()
-    mine = rank_share(records, state)
-    largest_share = math.ceil(len(records) / state.num_processes)
-    calls = math.ceil(largest_share / batch_size)
+    calls = math.ceil(math.ceil(len(records) / state.num_processes) / batch_size)  # for the largest share
     texts: list[str] = []
     was_training = model.training
     model.eval()
     try:
-        for call in range(calls):
-            batch = mine[call * batch_size : (call + 1) * batch_size]
-            generated = _generate_batch(model, tokenizer, batch or records[:1], template, max_new_tokens)
-            if batch:
-                texts.extend(generated)
+        with state.split_between_processes(list(records)) as mine:
+            for call in range(calls):
+                batch = mine[call * batch_size : (call + 1) * batch_size]
+                generated = _generate_batch(model, tokenizer, batch or records[:1], template, max_new_tokens)
+                if batch:
+                    texts.extend(generated)
     finally:
         model.train(was_training)
     return texts

@@ -17,16 +17,16 @@ when its total stays under 90 % of the GPU's memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from hf_scale.hardware import GIB, GPU, INTER_NODE_GBS
 
 Accounting = Literal["deepspeed", "paper"]
-STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "lora")
 # Fastest first: the planner recommends the first of these that fits (LoRA is offered separately: it trains
 # a different model).
 SPEED_ORDER = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+STRATEGIES = (*SPEED_ORDER, "lora")
 HEADROOM = 0.9
 CONTEXT_BYTES = 1 * GIB
 ALLGATHER_BUCKET_ELEMENTS = 2e8  # the zero2 presets' allgather_bucket_size
@@ -127,11 +127,9 @@ class Plan:
 def model_states(strategy: str, parameters: float, gpus: int, largest_layer: float, accounting: Accounting):
     """(parameters, gradients, optimizer states, gather buffer) bytes per GPU for full fine-tuning.
 
-    The deepspeed split was read from a real engine's tensors (tests/distributed/test_zero_memory.py):
-    16-bit parameters (whole, or a 1/N shard under ZeRO-3); gradients as a 16-bit partition plus the fp32 copy
-    of it that exists while the optimizer steps (ZeRO-1 holds the whole 16-bit gradient until the reduction,
-    and frees it before the fp32 partition is made, so its peak is the larger of the two); fp32 master weights
-    and two fp32 Adam moments, a 1/N shard each.
+    Gradients are a 16-bit partition plus its fp32 copy while the optimizer steps; ZeRO-1 holds the whole
+    16-bit gradient until the reduction and frees it before the fp32 partition is made, so its peak is the
+    larger of the two.
     """
     p, n = parameters, gpus
     if strategy == "ddp":
@@ -202,10 +200,8 @@ def _add_step_times(result: StrategyEstimate, shape: ModelShape, workload: Workl
     """Bytes each GPU moves per optimizer step and the time they take, beside the compute time."""
     p, n = float(shape.parameters), workload.gpus
     ring = 2 * (n - 1) / n if n > 1 else 0.0  # a ring all-reduce sends this many times the buffer
-    trainable = p
     if result.strategy == "lora":
-        trainable = float(shape.lora_parameters(workload.lora_r, workload.lora_targets))
-        network = ring * 4 * trainable
+        network = ring * 4 * shape.lora_parameters(workload.lora_r, workload.lora_targets)
     elif result.strategy.startswith("zero3"):
         network = 1.5 * ring * 2 * p  # two all-gathers of the parameters and one reduce-scatter of gradients
     else:
@@ -241,20 +237,18 @@ def plan(shape: ModelShape, workload: Workload, accounting: Accounting = "deepsp
 
 
 def _advice(shape: ModelShape, workload: Workload, estimates, accounting: Accounting) -> list[str]:
+    def fits(changed: Workload, strategies: tuple[str, ...] = SPEED_ORDER) -> bool:
+        return any(estimate(shape, changed, s, accounting).fits for s in strategies)
+
     advice = []
     for gpus in (workload.gpus * 2, workload.gpus * 4, workload.gpus * 8):
-        more = Workload(**{**workload.__dict__, "gpus_per_node": gpus // workload.nodes})
-        if estimate(shape, more, "zero3", accounting).fits:
+        if fits(replace(workload, gpus_per_node=gpus // workload.nodes), ("zero3",)):
             advice.append(f"ZeRO-3 fits on {gpus} GPUs of this kind")
             break
     if estimates["lora"].fits:
         advice.append(f"LoRA (r={workload.lora_r}) fits: set lora_r")
-    if not workload.gradient_checkpointing:
-        ckpt = Workload(**{**workload.__dict__, "gradient_checkpointing": True})
-        if any(estimate(shape, ckpt, s, accounting).fits for s in SPEED_ORDER):
-            advice.append("gradient checkpointing makes a strategy fit: set gradient_checkpointing")
-    if workload.seq_len > 256:
-        shorter = Workload(**{**workload.__dict__, "seq_len": workload.seq_len // 2, "micro_batch": 1})
-        if any(estimate(shape, shorter, s, accounting).fits for s in SPEED_ORDER):
-            advice.append(f"sequences of {workload.seq_len // 2} tokens at micro batch 1 fit")
+    if not workload.gradient_checkpointing and fits(replace(workload, gradient_checkpointing=True)):
+        advice.append("gradient checkpointing makes a strategy fit: set gradient_checkpointing")
+    if workload.seq_len > 256 and fits(replace(workload, seq_len=workload.seq_len // 2, micro_batch=1)):
+        advice.append(f"sequences of {workload.seq_len // 2} tokens at micro batch 1 fit")
     return advice or ["nothing fits on this hardware: use more or larger GPUs"]

@@ -37,9 +37,7 @@ KNOWN_CONFIGS.update({name.replace("-hf", "-chat-hf"): config for name, config i
 def count_parameters(config: PretrainedConfig) -> int:
     """Parameters of the causal LM that `config` describes, counted on the meta device (tied weights once)."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    unique = {id(p): p.numel() for p in model.parameters()}
-    return sum(unique.values())
+        return AutoModelForCausalLM.from_config(config).num_parameters()
 
 
 def shape_from_config(name: str, config: PretrainedConfig) -> ModelShape:

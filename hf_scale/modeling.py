@@ -10,7 +10,6 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_scale.data.loading import looks_like_local_path
@@ -103,20 +102,15 @@ def check_model_is_safe(name: str, allow_pickle_weights: bool = False, trust_rem
         )
     if not trust_remote_code:
         for config_name in ("config.json", "tokenizer_config.json"):
-            if "auto_map" in _json_mapping(path / config_name):
+            try:
+                config = json.loads((path / config_name).read_text(encoding="utf-8"))
+            except (OSError, ValueError):  # a missing or broken config is from_pretrained's to report
+                continue
+            if isinstance(config, dict) and "auto_map" in config:
                 raise ConfigError(
                     f"model_name_or_path: {path / config_name} maps to Python code shipped in the folder (auto_map); "
                     "hf_scale runs none unless you set trust_remote_code: true"
                 )
-
-
-def _json_mapping(path: Path) -> dict:
-    """The JSON object in `path`; empty when there is none (a broken config is from_pretrained's to report)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -147,11 +141,10 @@ def load_model(args: ModelArguments, name: str, tokenizer: PreTrainedTokenizerBa
         model = load_model(ModelArguments(lora_r=16, dtype="bfloat16"), "meta-llama/Llama-2-7b-hf", tokenizer)
     """
     check_model_is_safe(name, args.allow_pickle_weights, args.trust_remote_code)
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name,
-            dtype=dtype,
+            dtype=args.dtype,  # from_pretrained reads "bfloat16" as torch.bfloat16 itself
             attn_implementation=args.attn_implementation,
             use_safetensors=None if args.allow_pickle_weights else True,  # None: safetensors first, then pickle
             trust_remote_code=args.trust_remote_code,

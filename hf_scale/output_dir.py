@@ -43,23 +43,15 @@ def check_output_dir(output_dir: str | os.PathLike | None) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"output_dir: cannot create {output_dir}: {existing} is a file, not a folder")
-    problem = _write_problem(existing)
-    if problem is None:
-        return
-    if existing == path:
-        raise ConfigError(f"output_dir: {output_dir} is not writable ({problem})")
-    raise ConfigError(f"output_dir: cannot create {output_dir}: {existing} is not writable ({problem})")
-
-
-def _write_problem(folder: Path) -> str | None:
-    """Why a file cannot be written in `folder`, or None when it can."""
     try:
-        with tempfile.TemporaryFile(dir=folder) as probe:
+        with tempfile.TemporaryFile(dir=existing) as probe:
             probe.write(b"\0")
             probe.flush()
     except OSError as error:
-        return error.strerror or str(error)
-    return None
+        problem = error.strerror or str(error)
+        if existing == path:
+            raise ConfigError(f"output_dir: {output_dir} is not writable ({problem})") from None
+        raise ConfigError(f"output_dir: cannot create {output_dir}: {existing} is not writable ({problem})") from None
 
 
 @contextmanager
@@ -89,18 +81,16 @@ def checkpoint_save_guard(
     failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
     if not failed:
         return
-    leftover = _remove_partial(checkpoint_dir) if removes_partial and not existed else ""
+    leftover = ""
+    if removes_partial and not existed:
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        if checkpoint_dir.exists():
+            leftover = f"; the partial folder {checkpoint_dir} could not be removed: delete it before resuming"
     if error is not None and not is_write_error(error):
         raise error
     rank, message = failed[0]
     where = f"rank {rank}: " if len(outcomes) > 1 else ""
     raise SaveError(where + message + leftover) from error
-
-
-def _failed_save_message(checkpoint_dir: Path, error: BaseException) -> str:
-    if is_write_error(error):
-        return describe_failed_save(checkpoint_dir, error)
-    return f"saving checkpoint {checkpoint_dir} raised {type(error).__name__}: {error}"
 
 
 def is_write_error(error: BaseException) -> bool:
@@ -112,34 +102,23 @@ def is_write_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _TORCH_WRITER.search(str(error)) is not None
 
 
-def _remove_partial(checkpoint_dir: Path) -> str:
-    """Remove a half-written checkpoint folder; what the user must do when that fails too."""
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)
-    if checkpoint_dir.exists():
-        return f"; the partial folder {checkpoint_dir} could not be removed: delete it before resuming"
-    return ""
-
-
-def describe_failed_save(checkpoint_dir: Path, error: BaseException) -> str:
+def _failed_save_message(checkpoint_dir: Path, error: BaseException) -> str:
     """The user's message for a failed checkpoint save: the folder, the cause, and what is left to resume from."""
+    if not is_write_error(error):
+        return f"saving checkpoint {checkpoint_dir} raised {type(error).__name__}: {error}"
     parent = checkpoint_dir.parent
     previous = last_complete_checkpoint(parent)
-    if previous is not None and Path(previous) == checkpoint_dir:  # left by an earlier run, overwritten in part
+    if previous == checkpoint_dir:  # left by an earlier run, overwritten in part
         kept = f"{checkpoint_dir} was there before this save and may be half overwritten now: check it before resuming"
     elif previous is not None:
         kept = f"the previous checkpoint {previous} is intact; free space or fix the folder, then rerun with --resume"
     else:
         kept = "there is no earlier checkpoint to resume from"
-    return f"could not save checkpoint {checkpoint_dir}: {_reason(error)}{_free_space(parent)}; {kept}"
-
-
-def _free_space(folder: Path) -> str:
-    """How much room is left where the checkpoint goes: the likely cause when torch only says "write failed"."""
-    try:
-        free = shutil.disk_usage(folder).free
+    try:  # how much room is left where the checkpoint goes: the likely cause when torch only says "write failed"
+        free = f" ({shutil.disk_usage(parent).free / 2**20:.1f} MiB free on that disk)"
     except OSError:
-        return ""
-    return f" ({free / 2**20:.1f} MiB free on that disk)"
+        free = ""
+    return f"could not save checkpoint {checkpoint_dir}: {_reason(error)}{free}; {kept}"
 
 
 def _reason(error: BaseException) -> str:

@@ -11,6 +11,9 @@ packed row (padded batches, generation with a KV cache) goes through transformer
 
 from __future__ import annotations
 
+from functools import lru_cache
+from itertools import pairwise
+
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -18,25 +21,18 @@ from transformers.masking_utils import AttentionMaskInterface, find_packed_seque
 
 PACKED_SDPA = "hf_scale_packed_sdpa"
 
-_last_segments: tuple[torch.Tensor | None, list[list[int]]] = (None, [])
 
-
+@lru_cache(maxsize=1)  # keyed by the tensor's identity
 def segment_starts(position_ids: torch.Tensor) -> list[list[int]]:
     """For each row, where its examples start (as transformers' `find_packed_sequence_indices` reads them), and its end.
 
     Every layer of one forward gets the same `position_ids` tensor: the boundaries are read once per forward,
     so a GPU synchronises once, not once per layer.
     """
-    global _last_segments
-    if _last_segments[0] is position_ids:
-        return _last_segments[1]
     sequence_index = find_packed_sequence_indices(position_ids)  # None: one example in every row
     if sequence_index is None:
-        rows = [[0, position_ids.shape[1]]] * position_ids.shape[0]
-    else:
-        rows = [[0, *(torch.nonzero(row.diff()).flatten() + 1).tolist(), row.numel()] for row in sequence_index]
-    _last_segments = (position_ids, rows)
-    return rows
+        return [[0, position_ids.shape[1]]] * position_ids.shape[0]
+    return [[0, *(torch.nonzero(row.diff()).flatten() + 1).tolist(), row.numel()] for row in sequence_index]
 
 
 def packed_sdpa_attention(
@@ -59,17 +55,10 @@ def packed_sdpa_attention(
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
     outputs = []
     for row, bounds in enumerate(rows):
-        pieces = [
-            sdpa_attention_forward(
-                module,
-                query[row : row + 1, :, start:end],
-                key[row : row + 1, :, start:end],
-                value[row : row + 1, :, start:end],
-                None,
-                **kwargs,
-            )[0]
-            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
-        ]
+        pieces = []
+        for start, end in pairwise(bounds):
+            cut = (slice(row, row + 1), slice(None), slice(start, end))  # one example: (1, heads, its length, dim)
+            pieces.append(sdpa_attention_forward(module, query[cut], key[cut], value[cut], None, **kwargs)[0])
         outputs.append(torch.cat(pieces, dim=1))
     return torch.cat(outputs, dim=0), None
 

@@ -12,20 +12,15 @@ Wiring. A callback does not see the batches: the trainer hands each micro-batch 
 `super().log(...)`: the Trainer copies the logs into `state.log_history` and calls the report_to integrations
 (which come before user callbacks in the callback list) before this callback's `on_log` runs. Without it,
 `on_log` still adds the figures to the printed logs and to the last `log_history` entry, but report_to never
-sees them. In ScaleTrainer:
-
-    def _throughput_callbacks(self):
-        return [c for c in self.callback_handler.callbacks if isinstance(c, ThroughputCallback)]
+sees them. ScaleTrainer keeps its callback as `self.throughput` and does both:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        for callback in self._throughput_callbacks():
-            callback.count_batch(inputs)
+        self.throughput.count_batch(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def log(self, logs, start_time=None):
-        for callback in self._throughput_callbacks():
-            callback.update_logs(logs, self.args.device)
-        super().log(logs, start_time)
+    def log(self, logs, *args, **kwargs):
+        self.throughput.update_logs(logs, self.args.device)
+        super().log(logs, *args, **kwargs)
 
 Counting is done on the batch's device without reading anything back (a `.item()` per micro-batch would make
 the CPU wait for the GPU at every step); the counts are read once per log, summed over the processes when
@@ -79,30 +74,6 @@ def batch_counts(inputs: Mapping[str, Any]) -> torch.Tensor:
     return torch.tensor([rows * width, rows, rows * width * width], dtype=torch.long, device=input_ids.device)
 
 
-class BatchCounts:
-    """Running totals of `batch_counts`, kept on the batches' device until read."""
-
-    def __init__(self) -> None:
-        self.totals: torch.Tensor | None = None
-
-    def add(self, inputs: Mapping[str, Any]) -> None:
-        counts = batch_counts(inputs)
-        self.totals = counts if self.totals is None else self.totals + counts.to(self.totals.device)
-
-    def reset(self) -> None:
-        self.totals = None
-
-
-def device_peak_flops() -> float | None:
-    """Dense bf16 peak FLOP/s of this process's GPU from the catalogue; None on CPU or an unknown GPU."""
-    if not torch.cuda.is_available():
-        return None
-    index = torch.cuda.current_device()
-    # The catalogue holds SXM figures: an H100 PCIe (756 TFLOP/s) matches h100-80g, so its MFU reads low.
-    gpu = gpu_from_device_name(torch.cuda.get_device_name(index))
-    return gpu.bf16_tflops * 1e12 if gpu else None
-
-
 def peak_memory_bytes() -> int:
     """Peak memory of this process: CUDA max allocated on GPU, peak resident set size (all of the process) on CPU."""
     if torch.cuda.is_available():
@@ -148,7 +119,7 @@ class ThroughputCallback(TrainerCallback):
         `peak_flops`: one device's peak FLOP/s for MFU (default: the catalogue's figure for this GPU)."""
         self.model_config = model_config
         self.peak_flops = peak_flops
-        self.counts = BatchCounts()
+        self.totals: torch.Tensor | None = None  # running `batch_counts`, kept on the batches' device until read
         self.real_tokens_seen = 0
         self.tensor_parallel_size = 1  # from the training arguments at on_train_begin
         self.frozen_matmul_parameters = 0  # from the trained model at on_train_begin, as are the adapters
@@ -158,7 +129,8 @@ class ThroughputCallback(TrainerCallback):
 
     def count_batch(self, inputs: Mapping[str, Any]) -> None:
         """Count one training micro-batch (called by the trainer from `training_step`, before the forward)."""
-        self.counts.add(inputs)
+        counts = batch_counts(inputs)
+        self.totals = counts if self.totals is None else self.totals + counts.to(self.totals.device)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.model_config is None and model is not None:
@@ -166,10 +138,12 @@ class ThroughputCallback(TrainerCallback):
         if model is not None:
             self.frozen_matmul_parameters = frozen_matmul_parameters(model)
             self.adapter_parameters = adapter_parameters(model)
-        if self.peak_flops is None:
-            self.peak_flops = device_peak_flops()
+        if self.peak_flops is None and torch.cuda.is_available():
+            # The catalogue holds SXM figures: an H100 PCIe (756 TFLOP/s) matches h100-80g, so its MFU reads low.
+            gpu = gpu_from_device_name(torch.cuda.get_device_name())
+            self.peak_flops = gpu.bf16_tflops * 1e12 if gpu else None
         self.tensor_parallel_size = tensor_parallel_size(args)
-        self.counts.reset()
+        self.totals = None
         self.real_tokens_seen = 0
         self._window_start = time.perf_counter()
 
@@ -183,8 +157,7 @@ class ThroughputCallback(TrainerCallback):
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the window ends when the GPU has finished its steps
         elapsed = time.perf_counter() - self._window_start
-        totals = self.counts.totals
-        totals = torch.zeros(3, dtype=torch.long) if totals is None else totals
+        totals = torch.zeros(3, dtype=torch.long) if self.totals is None else self.totals
         peak = torch.tensor([peak_memory_bytes()], dtype=torch.long)
         world_size = 1
         if _distributed():
@@ -195,7 +168,7 @@ class ThroughputCallback(TrainerCallback):
             # The ranks of a tensor-parallel group all counted the same batches: keep one copy of each.
             totals = totals // self.tensor_parallel_size
         tokens, samples, squared_lengths = totals.tolist()
-        self.counts.reset()
+        self.totals = None
         self._window_start = time.perf_counter()
         if tokens == 0:
             if not self._warned_no_batches:

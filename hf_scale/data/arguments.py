@@ -4,9 +4,10 @@ No `from __future__ import annotations` here: `HfArgumentParser` reads the field
 """
 
 from dataclasses import dataclass, field
+from typing import get_args
 
-from hf_scale.data.loading import FieldNames
-from hf_scale.data.tokenize import TRUNCATION_POLICIES
+from hf_scale.data.loading import FieldNames, OnBadRecord
+from hf_scale.data.tokenize import Truncation
 from hf_scale.errors import ConfigError
 
 
@@ -30,7 +31,7 @@ class DataArguments:
     instruction_field: str = field(default="instruction", metadata={"help": "Column holding the instruction."})
     input_field: str = field(default="input", metadata={"help": "Column holding the optional input."})
     output_field: str = field(default="output", metadata={"help": "Column holding the response."})
-    on_bad_record: str = field(
+    on_bad_record: OnBadRecord = field(
         default="error",
         metadata={
             "help": "A record with a missing, non-text or empty field: 'error' stops naming the record and field; "
@@ -48,7 +49,7 @@ class DataArguments:
         default=None, metadata={"help": "System prompt for llama2_chat and chat_template."}
     )
     max_length: int = field(default=512, metadata={"help": "Longest example in tokens."})
-    truncation: str = field(
+    truncation: Truncation = field(
         default="keep_prompt",
         metadata={
             "help": "Over-long records: keep_prompt (cut the end of the response), cut_prompt_left (cut the start "
@@ -95,10 +96,10 @@ class DataArguments:
             raise ConfigError(f"max_length must be at least 2 tokens, got {self.max_length}")
         if self.exact_match_samples < 0:
             raise ConfigError(f"exact_match_samples must be 0 or more, got {self.exact_match_samples}")
-        if self.truncation not in TRUNCATION_POLICIES:
-            raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION_POLICIES)}, got {self.truncation!r}")
-        if self.on_bad_record not in ("error", "skip"):
-            raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {self.on_bad_record!r}")
+        # The flags get these as choices; a script that builds the arguments in Python gets the same check.
+        for name, allowed in (("truncation", get_args(Truncation)), ("on_bad_record", get_args(OnBadRecord))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
     @property
     def fields(self) -> FieldNames:

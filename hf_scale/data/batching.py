@@ -56,7 +56,6 @@ def padding_fraction(
     batching: Batching,
     max_length: int | None = None,
     pad_to_multiple_of: int | None = None,
-    seed: int = 0,
 ) -> float:
     """Share of the tokens in the batches that are padding, for one epoch in the sampler's order."""
     if batching == "packing":
@@ -66,7 +65,7 @@ def padding_fraction(
             raise ValueError("pad_to_max_length needs max_length")
         return 1 - sum(lengths) / (max_length * len(lengths))
     # The order of an epoch as the Trainer's samplers give it: shuffled, or grouped by length within megabatches.
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(0)
     if batching == "group_by_length":
         order = list(LengthGroupedSampler(batch_size, lengths=lengths, generator=generator))
     else:

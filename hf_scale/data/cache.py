@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from hf_scale.data.templates import PromptTemplate
 from hf_scale.data.tokenize import TokenizationSummary, tokenize_records
 
-CACHE_VERSION = 2  # bump when tokenize_records changes what it produces
+CACHE_VERSION = 3  # bump when tokenize_records changes what it produces
 
 
 def tokenization_key(
@@ -24,11 +24,9 @@ def tokenization_key(
 ) -> str:
     """A digest of everything the tokenized set depends on."""
     digest = hashlib.sha256()
-    digest.update(json.dumps([CACHE_VERSION, dataclasses.asdict(template), settings], sort_keys=True).encode())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
     special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
-    digest.update(json.dumps(special).encode())
+    digest.update(json.dumps([CACHE_VERSION, dataclasses.asdict(template), settings, special], sort_keys=True).encode())
+    digest.update(tokenizer.backend_tokenizer.to_str().encode())  # a fast tokenizer: tokenize_records needs one
     for record in records:
         digest.update(json.dumps([record["instruction"], record.get("input") or "", record["output"]]).encode())
     return digest.hexdigest()[:24]

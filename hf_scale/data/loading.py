@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from datasets import Dataset
+from datasets import Dataset, load_dataset
 
 from hf_scale.errors import ConfigError, DataError
 
@@ -81,32 +81,27 @@ def load_records(
                                       on_bad_record="skip")
         print(check)  # records read, kept, skipped (with the first indices and why)
     """
-    from datasets import load_dataset
-
     if isinstance(data, Dataset):
-        dataset, name = data, "the given Dataset"
+        records, data = data.to_list(), "the given Dataset"
+    elif not (path := Path(data).expanduser()).exists() and not looks_like_local_path(data):
+        records = load_dataset(data, split="train").to_list()
+    elif not path.exists():
+        raise ConfigError(f"{key}: data file not found: {data}")
     else:
-        name = data
-        path = Path(data).expanduser()
-        if path.exists() or looks_like_local_path(data):
-            if not path.exists():
-                raise ConfigError(f"{key}: data file not found: {data}")
-            builder, files = _data_files(path, key, data)
-            if builder == "json":
-                # Read here, not through datasets: it names no line in a broken file, and it looped forever on a
-                # valid file whose records nest values of mixed types (datasets 4.8, found by tests/test_fuzz.py).
-                records = [record for file in files for record in _json_records(file, key)]
-            else:
-                try:
-                    records = load_dataset(builder, data_files=files, split="train").to_list()
-                except Exception as error:  # datasets raises many types, rarely naming the line
-                    if builder == "csv":
-                        for file in files:
-                            _read_text(file, key)  # an undecodable or empty file: named with its line
-                    raise DataError(f"{key}: could not read {data}: {_cause(error)}") from error
-            return check_records(records, source=name, fields=fields, on_bad_record=on_bad_record)
-        dataset = load_dataset(data, split="train")
-    return check_records(dataset.to_list(), source=name, fields=fields, on_bad_record=on_bad_record)
+        builder, files = _data_files(path, key, data)
+        if builder == "json":
+            # Read here, not through datasets: it names no line in a broken file, and it looped forever on a
+            # valid file whose records nest values of mixed types (datasets 4.8, found by tests/test_fuzz.py).
+            records = [record for file in files for record in _json_records(file, key)]
+        else:
+            try:
+                records = load_dataset(builder, data_files=files, split="train").to_list()
+            except Exception as error:  # datasets raises many types, rarely naming the line
+                if builder == "csv":
+                    for file in files:
+                        _read_text(file, key)  # an undecodable or empty file: named with its line
+                raise DataError(f"{key}: could not read {data}: {_cause(error)}") from error
+    return check_records(records, source=data, fields=fields, on_bad_record=on_bad_record)
 
 
 def _read_text(file: str, key: str) -> str:
@@ -129,42 +124,34 @@ def _read_text(file: str, key: str) -> str:
 def _json_records(file: str, key: str) -> list:
     """The records of a JSON file: one document (a list of records) or JSON Lines (one record per line)."""
     text = _read_text(file, key)
-    first_line = text.lstrip().split("\n", 1)[0]
+    number = 0  # the line read as JSON Lines; 0 while the whole text is read as one document
     try:
-        if first_line.startswith("[") or not _is_json(first_line):  # one document, over one or more lines
+        try:
             document = json.loads(text)
-            return document if isinstance(document, list) else [document]
-        records = []
+            if isinstance(document, (list, dict)):  # else a lone number or string: refused below, line named
+                return document if isinstance(document, list) else [document]
+        except json.JSONDecodeError as error:
+            first = text[: error.pos].strip()  # with "Extra data": the first value, read whole
+            if error.msg != "Extra data" or first.startswith("[") or "\n" in first:
+                raise  # a broken document, or a document followed by more: not JSON Lines
+        records = []  # JSON Lines: one record per line
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{key}: could not read {file}: line {number}, {_json_error(error)}") from None
-            if not isinstance(record, dict):
+            records.append(json.loads(line))
+            if not isinstance(records[-1], dict):
                 raise DataError(
                     f"{key}: could not read {file}: line {number}: a record must be a JSON object, "
-                    f"got {type(record).__name__}"
+                    f"got {type(records[-1]).__name__}"
                 )
-            records.append(record)
         return records
     except json.JSONDecodeError as error:
-        raise DataError(f"{key}: could not read {file}: line {error.lineno}, {_json_error(error)}") from None
+        raise DataError(
+            f"{key}: could not read {file}: line {number or error.lineno}, column {error.colno}: not valid JSON: "
+            f"{error.msg}"
+        ) from None
     except RecursionError:
         raise DataError(f"{key}: could not read {file}: values nested too deeply") from None
-
-
-def _json_error(error: json.JSONDecodeError) -> str:
-    return f"column {error.colno}: not valid JSON: {error.msg}"
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return False
-    return True
 
 
 def _cause(error: BaseException) -> str:
@@ -175,7 +162,7 @@ def _cause(error: BaseException) -> str:
 
 
 def _problem(record: dict, fields: FieldNames) -> str | None:
-    for role, column in (("instruction", fields.instruction), ("input", fields.input), ("output", fields.output)):
+    for role, column in vars(fields).items():
         value = record.get(column)
         if value is None:
             if role == "input":
@@ -185,10 +172,9 @@ def _problem(record: dict, fields: FieldNames) -> str | None:
             return f"field {column!r} must be text, got {type(value).__name__}"
         if "\ufffd" in value:
             return f"field {column!r} holds undecodable bytes (U+FFFD): the file is not valid UTF-8"
-    if not record[fields.output].strip():
-        return f"field {fields.output!r} is empty"
-    if not record[fields.instruction].strip():
-        return f"field {fields.instruction!r} is empty"
+    for column in (fields.output, fields.instruction):
+        if not record[column].strip():
+            return f"field {column!r} is empty"
     return None
 
 
@@ -205,13 +191,7 @@ def check_records(
     for index, record in enumerate(records):
         problem = _problem(record, fields) if isinstance(record, dict) else "not a mapping of fields"
         if problem is None:
-            valid.append(
-                {
-                    "instruction": record[fields.instruction],
-                    "input": record.get(fields.input) or "",
-                    "output": record[fields.output],
-                }
-            )
+            valid.append({role: record.get(column) or "" for role, column in vars(fields).items()})  # no input: ""
         elif on_bad_record == "error":
             raise DataError(f"{source}: record {index}: {problem} (on_bad_record='skip' skips and counts such records)")
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import groupby
+
 from transformers import PreTrainedTokenizerBase
 
 from hf_scale.data.batching import Batching, padding_fraction
@@ -10,16 +12,9 @@ from hf_scale.data.tokenize import IGNORE_INDEX, TokenizationSummary
 
 def render_masked_example(tokenizer: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int]) -> str:
     """The example's text with each trained-on span between ⟦ and ⟧ (the rest is masked with -100)."""
-    pieces, span, trained = [], [], False
-    for token, label in zip(input_ids, labels, strict=True):
-        if (label != IGNORE_INDEX) != trained and span:
-            text = tokenizer.decode(span)
-            pieces.append(f"⟦{text}⟧" if trained else text)
-            span = []
-        trained = label != IGNORE_INDEX
-        span.append(token)
-    if span:
-        text = tokenizer.decode(span)
+    pieces = []
+    for trained, pairs in groupby(zip(input_ids, labels, strict=True), key=lambda pair: pair[1] != IGNORE_INDEX):
+        text = tokenizer.decode([token for token, _ in pairs])
         pieces.append(f"⟦{text}⟧" if trained else text)
     return "".join(pieces)
 

@@ -15,7 +15,7 @@ generation stops.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
@@ -103,18 +103,17 @@ def get_template(
         known = ", ".join([*sorted(TEMPLATES), CHAT_TEMPLATE, "or a JSON user template"])
         raise ConfigError(f"template: unknown template {name!r}; known templates: {known}")
     template = TEMPLATES[name]
-    if system_prompt:
-        if template is not LLAMA2_CHAT:
-            raise ConfigError(f"system_prompt: template {name!r} has no system prompt; use llama2_chat")
-        sys_block = "[INST] <<SYS>>\n{system}\n<</SYS>>\n\n"
-        template = PromptTemplate(
-            name=template.name,
-            with_input=template.with_input.replace("[INST] ", sys_block, 1),
-            without_input=template.without_input.replace("[INST] ", sys_block, 1),
-            response=template.response,
-            system=system_prompt,
-        )
-    return template
+    if not system_prompt:
+        return template
+    if template is not LLAMA2_CHAT:
+        raise ConfigError(f"system_prompt: template {name!r} has no system prompt; use llama2_chat")
+    sys_block = "[INST] <<SYS>>\n{system}\n<</SYS>>\n\n"
+    return replace(
+        template,
+        with_input=template.with_input.replace("[INST] ", sys_block, 1),
+        without_input=template.without_input.replace("[INST] ", sys_block, 1),
+        system=system_prompt,
+    )
 
 
 def _user_template(text: str) -> PromptTemplate:
@@ -155,9 +154,7 @@ def _chat_template(tokenizer: PreTrainedTokenizerBase | None, system_prompt: str
         if output is not None:
             messages.append({"role": "assistant", "content": output})
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=output is None)
-        if tokenizer.bos_token and text.startswith(tokenizer.bos_token):
-            text = text[len(tokenizer.bos_token) :]  # the tokenizer step adds BOS once
-        return text
+        return text.removeprefix(tokenizer.bos_token or "")  # the tokenizer step adds BOS once
 
     def escaped(text: str) -> str:  # literal braces survive str.format
         return text.replace("{", "{{").replace("}", "}}")

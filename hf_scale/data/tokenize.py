@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, get_args
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
@@ -25,16 +25,15 @@ from hf_scale.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
 Truncation = Literal["keep_prompt", "cut_prompt_left", "drop"]
-TRUNCATION_POLICIES = ("keep_prompt", "cut_prompt_left", "drop")
+TRUNCATION_POLICIES = get_args(Truncation)
+# A record's outcome: kept whole or cut (an example), or dropped and why; each but "whole" names a summary count.
+KEPT = ("whole", "response_cut", "prompt_cut")
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     """BOS (when the tokenizer has one) followed by the prompt's tokens: what generation starts from."""
-    return _with_bos(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])
-
-
-def _with_bos(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
-    return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else list(ids)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -90,7 +89,7 @@ def tokenize_records(
         raise ConfigError("the tokenizer has no EOS token: the model could never learn to stop")
     if truncation not in TRUNCATION_POLICIES:
         raise ConfigError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
         warnings.warn("pad == eos: the EOS of every example is still labelled (labels come from lengths)", stacklevel=2)
 
     columns = {
@@ -110,17 +109,21 @@ def tokenize_records(
         rows = Dataset.from_dict(columns).map(
             tokenize, batched=True, num_proc=num_proc, remove_columns=list(columns), desc="tokenizing"
         )
-        rows = {name: rows[name] for name in rows.column_names}
+        rows = rows.to_dict()
     else:
         rows = tokenize(columns)
-    summary = _summarize(rows)
-    kept = [i for i, outcome in enumerate(rows["outcome"]) if outcome in KEPT]
+    summary = TokenizationSummary(records=len(records), boundary_merges=sum(rows["boundary_merge"]))
+    kept = []
+    for index, outcome in enumerate(rows["outcome"]):
+        if outcome != "whole":
+            setattr(summary, outcome, getattr(summary, outcome) + 1)
+        (kept if outcome in KEPT else summary.dropped_indices).append(index)
     examples = {name: [rows[name][i] for i in kept] for name in ("input_ids", "attention_mask", "labels")}
+    summary.examples = len(kept)
+    summary.tokens = sum(map(len, examples["input_ids"]))
+    # the labels after the first position that are trained on (nothing predicts the first token)
+    summary.label_tokens = sum(len(labels) - 1 - labels[1:].count(IGNORE_INDEX) for labels in examples["labels"])
     return Dataset.from_dict(examples), summary
-
-
-# What happened to a record: kept whole or cut (an example), or dropped and why.
-KEPT = ("whole", "response_cut", "prompt_cut")
 
 
 def _tokenize_batch(
@@ -145,13 +148,13 @@ def _tokenize_batch(
     # the model learns to close its turn as the chat format does, and EOS is never doubled.
     eos = [] if template.end_of_turn else [tokenizer.eos_token_id]
     rows: dict[str, list] = {
-        name: [] for name in ("input_ids", "attention_mask", "labels", "outcome", "boundary_merge", "label_tokens")
+        name: [] for name in ("input_ids", "attention_mask", "labels", "outcome", "boundary_merge")
     }
-    for prompt, text, encoding in zip(prompts, texts, encodings, strict=True):
+    for prompt, encoding in zip(prompts, encodings, strict=True):
         ids = encoding.ids
-        # The first response token is the one holding the response's first character; when it starts inside
-        # the prompt (a merge across the boundary) it is still trained on, and counted.
-        n_prompt = _first_token_at_or_after(encoding, len(prompt), len(text), default=len(ids))
+        # The first response token is the first one that ends after the prompt; when it starts inside the prompt
+        # (a merge across the boundary) it is still trained on, and counted.
+        n_prompt = next((i for i, (_, end) in enumerate(encoding.offsets) if end > len(prompt)), len(ids))
         merge = n_prompt < len(ids) and encoding.offsets[n_prompt][0] < len(prompt)
         source = bos + ids[:n_prompt]
         target = [*ids[n_prompt:], *eos]
@@ -166,26 +169,7 @@ def _tokenize_batch(
         rows["labels"].append(labels)
         rows["outcome"].append(outcome)
         rows["boundary_merge"].append(merge)
-        # the labels after the first position that are trained on (nothing predicts the first token)
-        trained = len(source) + len(target) - 1 if train_on_inputs else len(target) - (0 if source else 1)
-        rows["label_tokens"].append(trained if outcome in KEPT else 0)
     return rows
-
-
-def _summarize(rows: dict[str, list]) -> TokenizationSummary:
-    outcomes = rows["outcome"]
-    summary = TokenizationSummary(records=len(outcomes))
-    for index, outcome in enumerate(outcomes):
-        if outcome in KEPT:
-            summary.examples += 1
-            summary.tokens += len(rows["input_ids"][index])
-            summary.label_tokens += rows["label_tokens"][index]
-        else:
-            summary.dropped_indices.append(index)
-        if outcome != "whole":
-            setattr(summary, outcome, getattr(summary, outcome) + 1)
-    summary.boundary_merges = sum(rows["boundary_merge"])
-    return summary
 
 
 def check_examples_left(name: str, summary: TokenizationSummary, max_length: int, truncation: str) -> None:
@@ -200,15 +184,6 @@ def check_examples_left(name: str, summary: TokenizationSummary, max_length: int
             f"({summary.dropped_no_response} because the prompt alone fills max_length, {summary.dropped_too_long} "
             f"too long with truncation={truncation!r}); raise max_length or choose another truncation"
         )
-
-
-def _first_token_at_or_after(encoding, char: int, end: int, default: int) -> int:
-    """Index of the token holding character `char` of the text (or the next character that has one)."""
-    for position in range(char, end):
-        token = encoding.char_to_token(position)
-        if token is not None:
-            return token
-    return default
 
 
 def _fit(

@@ -22,12 +22,13 @@ from typing import Any
 
 import optuna
 from optuna.trial import TrialState
+from peft import PeftModel
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, BestRun
 
 from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.hpo import sync
-from hf_scale.hpo.lora import AdapterFactory, is_peft_model
+from hf_scale.hpo.lora import fast_path_applies, unload
 from hf_scale.hpo.objective import metric_objective, objective_metric, resolve_direction
 from hf_scale.hpo.settings import SEARCH_FIELDS, SearchArguments
 from hf_scale.hpo.space import default_hp_space
@@ -37,7 +38,6 @@ from hf_scale.hpo.trial import (
     PER_TRIAL_FIELDS,
     build_model,
     configure_trial,
-    qualifies_for_fast_path,
     run_trial,
     trial_folder,
 )
@@ -54,15 +54,11 @@ class TrialFailed(RuntimeError):
 
 
 @dataclass
-class BestTrial:
+class BestTrial(TrialPlan):
     """What every rank needs to know about the best trial to reload or retrain it."""
 
-    number: int
     value: float
-    params: dict[str, Any]
-    suggested: dict[str, Any]
     checkpoint: str | None
-    run_name: str
 
 
 def say(message: str) -> None:
@@ -162,20 +158,20 @@ class Search:
         self.hp_name = hp_name
         self.output_dir = args.output_dir
         self.base_run_name = args.run_name if args.run_name and args.run_name != args.output_dir else "hpo"
-        self.adapters: AdapterFactory | None = None
+        # The LoRA fast path's base and adapter config between trials (the model Trainer built or was given first).
+        self.lora_base: tuple[Any, Any] | None = None
         initial_model = trainer.model
-        if trainer.model_init is None and not qualifies_for_fast_path(initial_model, settings.lora_fast_path):
+        self.take_back(initial_model)
+        if trainer.model_init is None and self.lora_base is None:
             raise ConfigError(
                 "hyperparameter_search needs model_init (a fresh model for each trial), or a LoRA PeftModel "
                 "whose adapters it re-creates for each trial (lora_fast_path)"
             )
-        if qualifies_for_fast_path(initial_model, settings.lora_fast_path):
-            self.adapters = AdapterFactory(initial_model)  # the model Trainer built (or was given) is the base
         trainer.model = trainer.model_wrapped = None  # each trial builds its own; this one would only hold memory
         # Processes that each see their own batch (tensor-parallel ranks share one).
         data_parallel = getattr(args, "data_parallel_size", args.world_size)
         self.hp_space = hp_space or default_hp_space(
-            data_parallel, peft=is_peft_model(initial_model), min_learning_rate=args.min_learning_rate
+            data_parallel, peft=isinstance(initial_model, PeftModel), min_learning_rate=args.min_learning_rate
         )
         self.base_args = args  # each trial's arguments are built from these; the trainer gets them back at the end
         self.study: optuna.Study | None = None
@@ -366,12 +362,8 @@ class Search:
 
     def take_back(self, model: Any) -> None:
         """After a trial: keep the LoRA base for the next one when the fast path applies."""
-        if model is None:
-            return
-        if self.adapters is None and qualifies_for_fast_path(model, self.settings.lora_fast_path):
-            self.adapters = AdapterFactory(model)
-        elif self.adapters is not None:
-            self.adapters.release(model)
+        if fast_path_applies(model, self.settings.lora_fast_path):
+            self.lora_base = unload(model)
 
     def best_trial(self) -> BestTrial | str:
         """Rank 0: the best trial, or why there is none."""
@@ -411,14 +403,13 @@ class Search:
     def finish(self, best: BestTrial) -> None:
         """Every rank: the best trial's model in the trainer, reloaded from its checkpoint or retrained, and saved."""
         trainer = self.trainer
-        plan = TrialPlan(best.number, best.params, best.suggested, best.run_name)
-        lora_updates = configure_trial(trainer, self, plan)
+        lora_updates = configure_trial(trainer, self, best)
         trainer.args.output_dir = self.base_args.output_dir
         trainer.args.run_name = self.base_args.run_name
         have_checkpoint = best.checkpoint is not None and os.path.isdir(best.checkpoint)
         everyone_has_it = all(sync.gather(have_checkpoint))
         retrain = self.settings.retrain_best or not everyone_has_it or is_deepspeed_zero3_enabled()
-        model = build_model(trainer, self, plan, lora_updates)
+        model = build_model(trainer, self, best, lora_updates)
         trainer.model = trainer.model_wrapped = model
         if trainer.place_model_on_device:
             model.to(trainer.args.device)

@@ -1,43 +1,28 @@
 """The search space: the default one from the fine-tuning guide, and how a trial's values reach the arguments.
 
 Every value is suggested before the trial trains, on the rank that owns the study, and broadcast: a parameter
-suggested later (inside `model_init` or a callback) would exist on one rank only. `apply_hyperparameters` is the one
+suggested later (inside `model_init` or a callback) would exist on one rank only. `split_hyperparameters` is the one
 place where a trial's values become `ScaleTrainingArguments` fields or LoRA settings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from hf_scale.errors import ConfigError
+from hf_scale.hpo.settings import SpaceArguments
 
 # Keys a search space may return that are not TrainingArguments fields.
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout")
 # transformers 5 removed warmup_ratio: warmup_steps takes a float in [0, 1) as a ratio.
 RENAMED_KEYS = {"warmup_ratio": "warmup_steps"}
-PER_DEVICE_BATCHES = (2, 4, 8)
-
-
-@dataclass(frozen=True)
-class SpaceSettings:
-    """The ranges of the default search space; the defaults are the guide's for LLaMA-2 fine-tuning."""
-
-    learning_rate: tuple[float, float] = (1e-5, 1e-4)  # log-uniform; its geometric centre is 3.2e-5
-    weight_decay: tuple[float, float] = (0.01, 0.3)
-    per_device_batches: tuple[int, ...] = PER_DEVICE_BATCHES
-    effective_batch: tuple[int, int] = (32, 128)  # examples per optimizer step, all processes together
-    schedules: tuple[str, ...] = ("linear", "cosine")
-    warmup_ratio: tuple[float, float] = (0.0, 0.1)
-    lora_r: tuple[int, ...] = (8, 16, 32, 64)
-    lora_alpha: tuple[int, ...] = (16, 32, 64)
-    lora_dropout: tuple[float, float] = (0.0, 0.1)
-
-
-FINE_TUNING = SpaceSettings()
-# Pre-training-like runs (or LoRA, which trains few weights from zero) take rates about ten times higher.
-PRE_TRAINING = SpaceSettings(learning_rate=(1e-5, 5e-4))
+# The ranges SpaceArguments does not expose.
+WEIGHT_DECAY = (0.01, 0.3)
+SCHEDULES = ("linear", "cosine")
+LORA_R = (8, 16, 32, 64)
+LORA_ALPHA = (16, 32, 64)
+LORA_DROPOUT = (0.0, 0.1)
 
 
 def effective_batch_choices(low: int, high: int) -> tuple[int, ...]:
@@ -61,33 +46,34 @@ def accumulation_steps(effective_batch: int, per_device_batch: int, world_size: 
 def default_hp_space(
     world_size: int = 1,
     peft: bool = False,
-    settings: SpaceSettings = FINE_TUNING,
+    space: SpaceArguments | None = None,
     min_learning_rate: float | None = None,
 ) -> Callable[[Any], dict[str, Any]]:
     """The default search space as an `hp_space(trial) -> dict` function.
 
     `world_size` turns the sampled effective batch into gradient accumulation steps; `peft` adds LoRA r, alpha and
-    dropout. With `min_learning_rate` (the training arguments' floor, which only the cosine schedule has) the
-    schedule is cosine in every trial. The returned dict holds what the trial applies, the derived accumulation
-    steps included."""
-    batches = effective_batch_choices(*settings.effective_batch)
-    schedules = ["cosine"] if min_learning_rate is not None else list(settings.schedules)
+    dropout; `space` holds the ranges (default: the fine-tuning space). With `min_learning_rate` (the training
+    arguments' floor, which only the cosine schedule has) the schedule is cosine in every trial. The returned dict
+    holds what the trial applies, the derived accumulation steps included."""
+    space = space or SpaceArguments()
+    batches = effective_batch_choices(space.effective_batch_min, space.effective_batch_max)
+    schedules = ["cosine"] if min_learning_rate is not None else list(SCHEDULES)
 
     def hp_space(trial: Any) -> dict[str, Any]:
-        per_device = trial.suggest_categorical("per_device_train_batch_size", list(settings.per_device_batches))
+        per_device = trial.suggest_categorical("per_device_train_batch_size", list(space.per_device_batch_sizes))
         effective = trial.suggest_categorical("effective_batch_size", list(batches))
         params = {
-            "learning_rate": trial.suggest_float("learning_rate", *settings.learning_rate, log=True),
-            "weight_decay": trial.suggest_float("weight_decay", *settings.weight_decay),
+            "learning_rate": trial.suggest_float("learning_rate", *space.learning_rate, log=True),
+            "weight_decay": trial.suggest_float("weight_decay", *WEIGHT_DECAY),
             "per_device_train_batch_size": per_device,
             "gradient_accumulation_steps": accumulation_steps(effective, per_device, world_size),
             "lr_scheduler_type": trial.suggest_categorical("lr_scheduler_type", schedules),
-            "warmup_ratio": trial.suggest_float("warmup_ratio", *settings.warmup_ratio),
+            "warmup_ratio": trial.suggest_float("warmup_ratio", 0.0, space.warmup_ratio_max),
         }
         if peft:
-            params["lora_r"] = trial.suggest_categorical("lora_r", list(settings.lora_r))
-            params["lora_alpha"] = trial.suggest_categorical("lora_alpha", list(settings.lora_alpha))
-            params["lora_dropout"] = trial.suggest_float("lora_dropout", *settings.lora_dropout)
+            params["lora_r"] = trial.suggest_categorical("lora_r", list(LORA_R))
+            params["lora_alpha"] = trial.suggest_categorical("lora_alpha", list(LORA_ALPHA))
+            params["lora_dropout"] = trial.suggest_float("lora_dropout", *LORA_DROPOUT)
         return params
 
     return hp_space

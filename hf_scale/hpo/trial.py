@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from peft import PeftModel
 from transformers import TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, set_seed
 
-from hf_scale.errors import HfScaleError
+from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.hpo import sync
-from hf_scale.hpo.lora import fast_path_applies, with_adapters
+from hf_scale.hpo.lora import unload, with_adapters
 from hf_scale.hpo.objective import BestValue, Objective, check_against_direction
 from hf_scale.hpo.space import split_hyperparameters
 from hf_scale.hpo.sync import ABORTED, COMPLETE, FAILED, PRUNED, STOPPED, Decision, Outcome, TrialPlan
@@ -90,12 +91,20 @@ def build_model(trainer: Any, search: Any, plan: TrialPlan, lora_updates: dict[s
     """The trial's fresh model: new adapters on the kept base (LoRA fast path), or `model_init`."""
     args = trainer.args
     set_seed(args.seed)  # the same initial weights for the same seed, as the stock backend
-    if search.adapters is not None and search.adapters.base is not None:
-        return search.adapters.build(lora_updates)
+    if search.lora_base is not None:
+        (base, config), search.lora_base = search.lora_base, None
+        return with_adapters(base, config, lora_updates)
     if trainer.model_init is None:
         raise HfScaleError("hyperparameter_search: no model_init and no kept LoRA base to build a trial's model from")
     model = trainer.call_model_init(optuna.trial.FixedTrial(plan.suggested, plan.number))
-    return with_adapters(model, lora_updates)
+    if not lora_updates:
+        return model
+    if not isinstance(model, PeftModel):
+        raise ConfigError(
+            f"hp_space: {', '.join(lora_updates)} given but the model is not a PEFT (LoRA) model; "
+            "drop them from hp_space or return a PeftModel from model_init"
+        )
+    return with_adapters(*unload(model), lora_updates)
 
 
 def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
@@ -177,10 +186,6 @@ def resident_memory() -> int | None:
     except (OSError, IndexError, ValueError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def qualifies_for_fast_path(model: Any, enabled: bool) -> bool:
-    return enabled and fast_path_applies(model, is_deepspeed_zero3_enabled())
 
 
 def release_trial(trainer: Any) -> None:

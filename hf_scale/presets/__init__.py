@@ -47,15 +47,11 @@ def load_deepspeed_config(config: dict | str) -> dict[str, Any]:
     """The config as a dict, from a dict, JSON text or a JSON file path."""
     if isinstance(config, dict):
         return config
-    if config.lstrip().startswith("{"):  # a dict given as a flag or YAML mapping arrives as JSON text
-        try:
-            return json.loads(config)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"deepspeed: not valid JSON: {error}") from None
-    path = Path(config)
-    if not path.is_file():
+    inline = config.lstrip().startswith("{")  # a dict given as a flag or YAML mapping arrives as JSON text
+    if not inline and not Path(config).is_file():
         raise ConfigError(f"deepspeed: config file not found: {config}")
     try:
-        return json.loads(path.read_text())
+        return json.loads(config if inline else Path(config).read_text())
     except json.JSONDecodeError as error:
-        raise ConfigError(f"deepspeed: {config} is not valid JSON: {error}") from None
+        what = "not valid JSON" if inline else f"{config} is not valid JSON"
+        raise ConfigError(f"deepspeed: {what}: {error}") from None

@@ -7,21 +7,13 @@ from typing import Any
 
 from hf_scale.errors import ConfigError
 from hf_scale.hardware import GPU, get_gpu, gpu_from_device_name
-from hf_scale.memory import Plan, Workload, plan
-
-# The planner's strategies as presets; "ddp" means no DeepSpeed at all.
-PRESET_FOR_STRATEGY = {
-    "ddp": "ddp",
-    "zero1": "zero1",
-    "zero2": "zero2",
-    "zero2_offload": "zero2_offload",
-    "zero3": "zero3",
-    "zero3_offload": "zero3_offload",
-}
+from hf_scale.memory import Workload, plan
 
 
 def planned_preset(args: Any, world_size: int) -> str:
-    """The preset for `args.plan_model` on this machine's GPUs, or a `ConfigError` with the planner's advice."""
+    """The preset for `args.plan_model` on this machine's GPUs, or a `ConfigError` with the planner's advice.
+
+    The planner's strategies are named as the presets; "ddp" means no DeepSpeed at all."""
     from hf_scale.model_shapes import model_shape
 
     if not args.plan_model:
@@ -41,17 +33,12 @@ def planned_preset(args: Any, world_size: int) -> str:
             gradient_checkpointing=bool(args.gradient_checkpointing),
         ),
     )
-    return preset_for(result)
-
-
-def preset_for(result: Plan) -> str:
-    """The preset that carries out the plan's recommendation ("ddp": no DeepSpeed)."""
     if result.recommendation is None:
         raise ConfigError(
             f"zero_preset=auto: {result.shape.name} fits no strategy on {result.workload.gpus} "
             f"{result.workload.gpu.name}: " + "; ".join(result.advice)
         )
-    return PRESET_FOR_STRATEGY[result.recommendation]
+    return result.recommendation
 
 
 def _gpu(name: str | None) -> GPU:

@@ -25,8 +25,7 @@ from pathlib import Path
 from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.data.arguments import DataArguments
 from hf_scale.data.batching import make_collator
-from hf_scale.hpo import SearchArguments, default_hp_space
-from hf_scale.hpo.settings import SpaceArguments
+from hf_scale.hpo import SearchArguments, SpaceArguments, default_hp_space
 from hf_scale.modeling import ModelArguments, load_model
 from hf_scale.recipes.preparation import parse_recipe_arguments, prepare_data, run_as_program
 from hf_scale.trainer import ScaleTrainer
@@ -41,7 +40,6 @@ def main(argv: list[str]) -> dict:
         __doc__,
     )
     args = prepare_run(args)  # zero_preset auto planned, output_dir writable
-    space_settings = space_args.settings()
 
     # 2. Data and tokenizer, once: every trial trains on the same examples.
     data = prepare_data(model_args, data_args, args)
@@ -57,7 +55,7 @@ def main(argv: list[str]) -> dict:
         processing_class=tokenizer,
     )
     hp_space = default_hp_space(
-        args.data_parallel_size, model_args.lora_r > 0, space_settings, min_learning_rate=args.min_learning_rate
+        args.data_parallel_size, model_args.lora_r > 0, space_args, min_learning_rate=args.min_learning_rate
     )
 
     # 4. The search: the best trial's model ends in output_dir/best-model, the report in output_dir/hpo-report.
