@@ -8,11 +8,12 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import torch
 from transformers import SchedulerType, TrainingArguments
 from transformers.integrations import get_available_reporting_integrations
 
 from hf_scale.checkpoints import last_complete_checkpoint
-from hf_scale.distributed import check_elastic_restarts, has_accelerator, launched_world_size
+from hf_scale.distributed import check_elastic_restarts, launched_world_size
 from hf_scale.errors import ConfigError
 from hf_scale.output_dir import check_output_dir
 from hf_scale.presets import load_deepspeed_config, zero_preset
@@ -157,18 +158,16 @@ class ScaleTrainingArguments(TrainingArguments):
         # group of its own (`prepare_run` does that). TrainingArguments' own __post_init__ still sets up its device.
         check_elastic_restarts()  # before the process group starts: that is where a bad restart would hang
         world_size = launched_world_size()
-        if not has_accelerator():
+        if not torch.accelerator.is_available():
             self.dataloader_pin_memory = False  # nothing to pin for; torch warns on every loader otherwise
             if self.auto_cpu_ddp and world_size > 1:
                 self.use_cpu = True
-        if self.zero_preset and self.zero_preset != "auto":
-            preset = zero_preset(self.zero_preset) if self.zero_preset != "ddp" else None
+        if self.zero_preset:
+            preset = None if self.zero_preset in ("auto", "ddp") else zero_preset(self.zero_preset)
             # The preset's own config is what built arguments hold: rebuilding them (dataclasses.replace) is no clash.
-            if self.deepspeed and load_deepspeed_config(self.deepspeed) != preset:
+            if self.deepspeed and (self.zero_preset == "auto" or load_deepspeed_config(self.deepspeed) != preset):
                 raise ConfigError("zero_preset and deepspeed are both set: give one DeepSpeed config, not two")
             self.deepspeed = preset
-        elif self.zero_preset == "auto" and self.deepspeed:
-            raise ConfigError("zero_preset and deepspeed are both set: give one DeepSpeed config, not two")
         if self.deepspeed:
             self.deepspeed = load_deepspeed_config(self.deepspeed)
             if world_size % self.tensor_parallel_size:
@@ -270,14 +269,6 @@ def check_reporting_integrations(report_to: list[str]) -> None:
         )
 
 
-def check_resumable(output_dir: str | None) -> None:
-    """`--resume` needs a `checkpoint-*` folder in output_dir; say so before any work starts."""
-    if not output_dir or not os.path.isdir(output_dir):
-        raise ConfigError(f"resume: output_dir {output_dir!r} does not exist, so there is nothing to resume")
-    if last_complete_checkpoint(output_dir) is None:
-        raise ConfigError(f"resume: no complete checkpoint-* folder in output_dir {output_dir!r}")
-
-
 def prepare_run(args: ScaleTrainingArguments) -> ScaleTrainingArguments:
     """The arguments a run trains with, once what touches the network, disks and processes has been done and checked.
 
@@ -295,8 +286,10 @@ def prepare_run(args: ScaleTrainingArguments) -> ScaleTrainingArguments:
         from hf_scale.presets.auto import planned_preset
 
         args = dataclasses.replace(args, zero_preset=planned_preset(args, launched_world_size()))
-    if args.resume == "true":
-        check_resumable(args.output_dir)
+    if args.resume == "true" and not (args.output_dir and os.path.isdir(args.output_dir)):
+        raise ConfigError(f"resume: output_dir {args.output_dir!r} does not exist, so there is nothing to resume")
+    if args.resume == "true" and last_complete_checkpoint(args.output_dir) is None:
+        raise ConfigError(f"resume: no complete checkpoint-* folder in output_dir {args.output_dir!r}")
     check_output_dir(args.output_dir)  # a run that could never save stops before any work
     if args.deepspeed and args.use_cpu and args.world_size > 1:
         import deepspeed

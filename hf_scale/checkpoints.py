@@ -51,9 +51,8 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 def remove_incomplete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Delete the checkpoints newer than the last complete one that have no marker (interrupted saves)."""
-    last = last_complete_checkpoint(output_dir)
-    torn = [p for p in checkpoints(output_dir) if not is_complete(p) and (last is None or p.name != last.name)]
-    torn = [p for p in torn if last is None or int(p.name.split("-")[1]) > int(last.name.split("-")[1])]
+    found, last = checkpoints(output_dir), last_complete_checkpoint(output_dir)
+    torn = found[found.index(last) + 1 :] if last is not None else found
     for path in torn:
         shutil.rmtree(path, ignore_errors=True)
     return torn

@@ -12,7 +12,6 @@ import atexit
 import os
 import time
 
-import torch
 from torch import nn
 
 from hf_scale.errors import DistributedSetupError
@@ -26,16 +25,6 @@ FIX = (
 def launched_world_size() -> int:
     """The number of processes the launcher (torchrun, accelerate, deepspeed) started, from `WORLD_SIZE`."""
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def has_accelerator() -> bool:
-    """Whether this process can see a GPU or another accelerator that torch supports."""
-    return torch.accelerator.is_available()
-
-
-# How long the main thread, at exit, leaves the GIL to the process groups' worker threads (see below). A waiting
-# thread takes it within a millisecond (measured); the margin is for a loaded machine.
-EXIT_GIL_RELEASE_SECONDS = 0.1
 
 
 def release_gil_to_collectives_at_exit() -> None:
@@ -59,7 +48,8 @@ def release_gil_to_collectives_at_exit() -> None:
 
 
 def _release_gil() -> None:
-    time.sleep(EXIT_GIL_RELEASE_SECONDS)
+    # A waiting worker thread takes the GIL within a millisecond (measured); the margin is for a loaded machine.
+    time.sleep(0.1)
 
 
 def check_elastic_restarts() -> None:

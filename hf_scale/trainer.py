@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -104,7 +103,8 @@ class ScaleTrainer(Trainer):
         # The Trainer's own resume, over no batches: it loads the model, optimizer and state (and at the end the best
         # model) exactly as for a run with steps left, and takes no step.
         self._nothing_to_train, max_steps, self.args.max_steps = True, self.args.max_steps, finished
-        quiet = NoEmptyEpochWarning()  # that warning is what "no batches" means here
+        # The Trainer's warning about an epoch without batches is what "no batches" means here.
+        quiet = lambda record: "a single sample in your epoch_iterator" not in record.getMessage()  # noqa: E731
         trainer_logger.addFilter(quiet)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
@@ -197,7 +197,6 @@ class ScaleTrainer(Trainer):
         """The Trainer's loss loop, plus greedy generation metrics on `generation_eval` (never any logits)."""
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         if self.generation_eval is not None and description == "Evaluation":
-            prefix = metric_key_prefix
             settings = self.generation_eval
             scores = generation_metrics(
                 self.model,
@@ -208,7 +207,7 @@ class ScaleTrainer(Trainer):
                 settings.batch_size,
                 settings.metrics,
             )
-            output.metrics.update({f"{prefix}_{name}": value for name, value in scores.items()})
+            output.metrics.update({f"{metric_key_prefix}_{name}": value for name, value in scores.items()})
         return output
 
     def _forget_evaluation_preparation(self) -> None:
@@ -262,7 +261,7 @@ class ScaleTrainer(Trainer):
             if self.loss_is_scaled_for_ga is not None
             else (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func
         )
-        share = loss.detach().float().reshape(()).clone()  # a copy: the all-reduce below must not touch the loss
+        share = loss.detach().float().reshape(())
         if not scaled_for_accumulation:  # a per-micro-batch mean, as the Trainer itself divides it
             share = share / self.current_gradient_accumulation_steps
         self._step_loss = share if self._step_loss is None else self._step_loss + share
@@ -273,9 +272,7 @@ class ScaleTrainer(Trainer):
         The loss is the step's per-token loss over all processes, the one the Trainer logs for it: one all-reduce and
         one read from the device per optimizer step, the same decision on every process."""
         step_loss, self._step_loss = self._step_loss, None
-        if self.args.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(step_loss)
-            step_loss = step_loss / self.args.world_size  # each process's loss is scaled to the world's tokens
+        step_loss = self.accelerator.reduce(step_loss, "mean")  # each process's loss is scaled to the world's tokens
         problem = self.divergence_guard.problem(step_loss.item())
         if problem is None:
             return False
@@ -294,13 +291,12 @@ class ScaleTrainer(Trainer):
 
     def _save_diagnosis_checkpoint(self, step: int) -> Path:
         """The state before the diverging `step`, beside the run's checkpoints, where --resume does not look."""
-        output_dir, save_total_limit = self.args.output_dir, self.args.save_total_limit
+        output_dir = self.args.output_dir
         self.args.output_dir = os.path.join(output_dir, f"diverged-step-{step}")
-        self.args.save_total_limit = None
         try:
-            self._save_checkpoint(self.model_wrapped, trial=None)
+            self._save_checkpoint(self.model_wrapped, trial=None)  # alone in its folder: the rotation deletes nothing
         finally:
-            self.args.output_dir, self.args.save_total_limit = output_dir, save_total_limit
+            self.args.output_dir = output_dir
         return Path(output_dir) / f"diverged-step-{step}" / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -352,13 +348,6 @@ class ScaleTrainer(Trainer):
         from hf_scale.hpo.search import hyperparameter_search  # optuna is needed only here
 
         return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
-
-
-class NoEmptyEpochWarning(logging.Filter):
-    """Drops the Trainer's warning about an epoch without batches (a finished run resumed over no batches)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "not to be a single sample in your epoch_iterator" not in record.getMessage()
 
 
 def describe_batch(args: ScaleTrainingArguments) -> str:

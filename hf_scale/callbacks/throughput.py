@@ -12,15 +12,7 @@ Wiring. A callback does not see the batches: the trainer hands each micro-batch 
 `super().log(...)`: the Trainer copies the logs into `state.log_history` and calls the report_to integrations
 (which come before user callbacks in the callback list) before this callback's `on_log` runs. Without it,
 `on_log` still adds the figures to the printed logs and to the last `log_history` entry, but report_to never
-sees them. ScaleTrainer keeps its callback as `self.throughput` and does both:
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        self.throughput.count_batch(inputs)
-        return super().training_step(model, inputs, num_items_in_batch)
-
-    def log(self, logs, *args, **kwargs):
-        self.throughput.update_logs(logs, self.args.device)
-        super().log(logs, *args, **kwargs)
+sees them. ScaleTrainer keeps its callback as `self.throughput` and does both (its `training_step` and `log`).
 
 Counting is done on the batch's device without reading anything back (a `.item()` per micro-batch would make
 the CPU wait for the GPU at every step); the counts are read once per log, summed over the processes when

@@ -102,11 +102,7 @@ class BestValue:
         self.evaluations += 1
         if math.isnan(value):
             return False
-        better = (
-            self.value is None
-            or (self.direction == "minimize" and value < self.value)
-            or (self.direction == "maximize" and value > self.value)
-        )
+        better = self.value is None or (value < self.value if self.direction == "minimize" else value > self.value)
         if better:
             self.value, self.evaluation, self.step = value, self.evaluations, step
         return better

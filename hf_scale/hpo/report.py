@@ -16,7 +16,7 @@ import pandas
 from optuna.trial import TrialState
 
 from hf_scale.errors import ConfigError
-from hf_scale.hpo.storage import JOURNAL_PREFIX, open_storage, quiet_experimental
+from hf_scale.hpo.storage import JOURNAL_PREFIX, open_storage
 from hf_scale.safety import mask_secrets
 
 PLOTS = ("optimization_history", "intermediate_values", "param_importances")
@@ -24,23 +24,18 @@ SUMMARY_COLUMNS = ["number", "state", "value", "best_evaluation", "evaluations",
 COLUMNS = [*SUMMARY_COLUMNS, "stopped_by", "retry_of", "run_name", "worker"]
 
 
-def study_storage_spec(study: str) -> str:
-    """A storage spec from what a person types: a URL, journal:PATH, a .db file or a journal file."""
-    if "://" in study or study.startswith(JOURNAL_PREFIX):
-        return study
-    path = Path(study)
-    if not path.exists():
-        raise ConfigError(f"report: no study file {study!r} (give a .db file, a journal file or a storage URL)")
-    if path.suffix in (".db", ".sqlite", ".sqlite3"):
-        return f"sqlite:///{path.resolve()}"
-    return f"{JOURNAL_PREFIX}{path.resolve()}"
-
-
 def load_study(study: str, study_name: str | None = None) -> optuna.Study:
-    """The study in `study` (file or URL); `study_name` may be left out when the storage holds one study."""
-    spec = study_storage_spec(study)
+    """The study in `study` (a URL, journal:PATH, a .db file or a journal file); `study_name` may be left out when
+    the storage holds one study."""
+    spec = study
+    if "://" not in study and not study.startswith(JOURNAL_PREFIX):
+        path = Path(study)
+        if not path.exists():
+            raise ConfigError(f"report: no study file {study!r} (give a .db file, a journal file or a storage URL)")
+        sqlite = path.suffix in (".db", ".sqlite", ".sqlite3")
+        spec = f"{'sqlite:///' if sqlite else JOURNAL_PREFIX}{path.resolve()}"
     storage = open_storage(spec)
-    names = [summary.study_name for summary in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+    names = optuna.get_all_study_names(storage)
     if study_name is None:
         if len(names) != 1:
             raise ConfigError(
@@ -90,7 +85,7 @@ def render_summary(study: optuna.Study, table: pandas.DataFrame) -> str:
         f"study {study.study_name!r}: {len(table)} trial(s): "
         + ", ".join(f"{s.lower()} {n}" for s, n in counts.items())
     ]
-    if (table["state"] == "COMPLETE").any() and len(study.directions) == 1:
+    if (table["state"] == "COMPLETE").any():
         best = study.best_trial
         lines.append(f"best: trial {best.number}, value {best.value:.6g}, {best.user_attrs.get('hyperparameters')}")
     columns = [*SUMMARY_COLUMNS, *table.filter(like="param_").columns]
@@ -98,12 +93,7 @@ def render_summary(study: optuna.Study, table: pandas.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def write_table(table: pandas.DataFrame, folder: Path) -> None:
-    table.to_csv(folder / "trials.csv", index=False)
-    (folder / "trials.json").write_text(table.to_json(orient="records", indent=2) + "\n")
-
-
-def draw_plots(study: optuna.Study, folder: Path) -> list[Path]:
+def draw_plots(study: optuna.Study, folder: Path) -> None:
     """The three plots as PNG (and HTML when plotly is installed); a plot the study cannot make yet is skipped."""
     import matplotlib
 
@@ -112,20 +102,18 @@ def draw_plots(study: optuna.Study, folder: Path) -> list[Path]:
     from optuna.visualization import matplotlib as optuna_matplotlib
 
     has_plotly = importlib.util.find_spec("plotly") is not None
-    written = []
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     for name in PLOTS:
         if name == "param_importances" and len(complete) < 2:
             continue  # importances need two complete trials
         if name == "intermediate_values" and not any(t.intermediate_values for t in study.trials):
             continue
-        kwargs: dict[str, Any] = {}
-        if name == "param_importances" and importlib.util.find_spec("sklearn") is None:
-            # Optuna's default (fANOVA) needs scikit-learn; PED-ANOVA needs nothing more.
-            with quiet_experimental():
-                kwargs["evaluator"] = optuna.importance.PedAnovaImportanceEvaluator()
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+            warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots (and PED-ANOVA) experimental
+            kwargs: dict[str, Any] = {}
+            if name == "param_importances" and importlib.util.find_spec("sklearn") is None:
+                # Optuna's default (fANOVA) needs scikit-learn; PED-ANOVA needs nothing more.
+                kwargs["evaluator"] = optuna.importance.PedAnovaImportanceEvaluator()
             try:
                 axes = getattr(optuna_matplotlib, f"plot_{name}")(study, **kwargs)
             except (ValueError, RuntimeError, ImportError) as error:  # e.g. every value of a parameter the same
@@ -134,20 +122,15 @@ def draw_plots(study: optuna.Study, folder: Path) -> list[Path]:
             if name == "intermediate_values":  # trials report at each evaluation, numbered from 1
                 axes.set_xlabel("evaluation")
                 axes.set_ylabel("objective")
-            figure = axes.figure if hasattr(axes, "figure") else axes.flat[0].figure
+            figure = axes.figure
             figure.set_size_inches(8, 5)
             figure.tight_layout()
-            path = folder / f"{name}.png"
-            figure.savefig(path, dpi=100)
+            figure.savefig(folder / f"{name}.png", dpi=100)
             plt.close(figure)
-            written.append(path)
             if has_plotly:
                 from optuna import visualization
 
-                html = folder / f"{name}.html"
-                getattr(visualization, f"plot_{name}")(study, **kwargs).write_html(str(html))
-                written.append(html)
-    return written
+                getattr(visualization, f"plot_{name}")(study, **kwargs).write_html(str(folder / f"{name}.html"))
 
 
 def write_report(study: optuna.Study, folder: str | Path) -> Path:
@@ -155,7 +138,8 @@ def write_report(study: optuna.Study, folder: str | Path) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     table = trials_table(study)
-    write_table(table, folder)
+    table.to_csv(folder / "trials.csv", index=False)
+    (folder / "trials.json").write_text(table.to_json(orient="records", indent=2) + "\n")
     (folder / "summary.txt").write_text(render_summary(study, table) + "\n")
     draw_plots(study, folder)
     return folder

@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from hf_scale.hpo.lora import fast_path_applies, unload
 from hf_scale.hpo.objective import metric_objective, objective_metric, resolve_direction
 from hf_scale.hpo.settings import SEARCH_FIELDS, SearchArguments
 from hf_scale.hpo.space import default_hp_space
-from hf_scale.hpo.storage import JournalHeartbeat, open_storage, quiet_experimental, storage_spec
+from hf_scale.hpo.storage import DEFAULT_STUDY_FILE, JournalHeartbeat, open_storage, quiet_experimental
 from hf_scale.hpo.sync import ABORTED, COMPLETE, FAILED, SKIP, STOPPED, Decision, TrialPlan
 from hf_scale.hpo.trial import (
     PER_TRIAL_FIELDS,
@@ -43,9 +42,9 @@ from hf_scale.hpo.trial import (
 )
 from hf_scale.safety import mask_secrets
 
-# Arguments of optuna.create_study and Study.optimize that the search takes, as HF's Optuna backend does.
-STUDY_KWARGS = {"sampler", "pruner", "storage", "load_if_exists"}
-OPTIMIZE_KWARGS = {"timeout", "n_jobs", "gc_after_trial", "catch", "callbacks", "show_progress_bar"}
+# Arguments of create_study and optimize that the search takes as HF's Optuna backend does, beside SearchArguments.
+STUDY_KWARGS = {"sampler", "load_if_exists"}
+OPTIMIZE_KWARGS = {"n_jobs", "gc_after_trial", "catch", "callbacks", "show_progress_bar"}
 PRUNERS = ("median", "hyperband", "none")
 
 
@@ -88,21 +87,6 @@ def make_pruner(
     return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=warmup_evaluations + 1)
 
 
-@contextlib.contextmanager
-def frozen_gc() -> Iterator[None]:
-    """Exempt every object alive now (modules, datasets, the tokenizer) from garbage collection while inside.
-
-    A full collection walks every object: with transformers, peft and deepspeed imported that is about a second, and
-    accelerate collects at every train() and every release. Frozen, a collection looks only at what the trials
-    created, which is what it is there to free."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[SearchArguments, dict[str, Any], dict[str, Any]]:
     """(hf_scale's settings, create_study arguments, optimize arguments); an unknown name is a ConfigError."""
     settings, study, optimize = {}, {}, {}
@@ -118,8 +102,6 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SearchArguments, dict[str, Any
         else:
             known = sorted(SEARCH_FIELDS | STUDY_KWARGS | OPTIMIZE_KWARGS)
             raise ConfigError(f"hyperparameter_search: unknown argument {key!r}; known: {', '.join(known)}")
-    if "timeout" in optimize:
-        settings["timeout"] = optimize.pop("timeout")
     if optimize.pop("n_jobs", 1) != 1:
         raise ConfigError(
             "n_jobs: a distributed search runs one trial at a time per worker (all processes train it); "
@@ -142,19 +124,17 @@ class Search:
         kwargs: dict[str, Any],
     ) -> None:
         settings, self.study_kwargs, optimize = split_kwargs({"n_trials": n_trials, **kwargs})
-        if direction is None:
-            direction = settings.direction
         self.settings = settings
         self.trainer = trainer
         args = trainer.args
         if settings.n_trials < 1:
             raise ConfigError(f"n_trials: must be at least 1, got {settings.n_trials}")
-        self.direction = resolve_direction(direction, compute_objective, args)
+        self.direction = resolve_direction(
+            settings.direction if direction is None else direction, compute_objective, args
+        )
         self.compute_objective = compute_objective or metric_objective(objective_metric(args))
         self.objective_label = "compute_objective" if compute_objective else objective_metric(args)
-        self.catch = tuple(optimize.get("catch", ()))
-        self.callbacks = list(optimize.get("callbacks") or [])
-        self.gc_after_trial = bool(optimize.get("gc_after_trial", False))
+        self.optimize_kwargs = optimize
         self.hp_name = hp_name
         self.output_dir = args.output_dir
         self.base_run_name = args.run_name if args.run_name and args.run_name != args.output_dir else "hpo"
@@ -168,10 +148,9 @@ class Search:
                 "whose adapters it re-creates for each trial (lora_fast_path)"
             )
         trainer.model = trainer.model_wrapped = None  # each trial builds its own; this one would only hold memory
-        # Processes that each see their own batch (tensor-parallel ranks share one).
-        data_parallel = getattr(args, "data_parallel_size", args.world_size)
+        # Sized by the processes that each see their own batch (tensor-parallel ranks share one).
         self.hp_space = hp_space or default_hp_space(
-            data_parallel, peft=isinstance(initial_model, PeftModel), min_learning_rate=args.min_learning_rate
+            args.data_parallel_size, peft=isinstance(initial_model, PeftModel), min_learning_rate=args.min_learning_rate
         )
         self.base_args = args  # each trial's arguments are built from these; the trainer gets them back at the end
         self.study: optuna.Study | None = None
@@ -186,7 +165,7 @@ class Search:
 
     def open_study(self) -> optuna.Study:
         settings = self.settings
-        spec = storage_spec(settings.storage, self.output_dir)
+        spec = settings.storage or f"sqlite:///{Path(self.output_dir).resolve() / DEFAULT_STUDY_FILE}"
         storage = self.study_kwargs.get("storage")  # an Optuna storage object, used as it is
         where = type(storage).__name__ if storage is not None else mask_secrets(spec)
         if storage is None:
@@ -282,13 +261,9 @@ class Search:
             if self.journal_heartbeat is not None:
                 self.journal_heartbeat.stop()
             self.trial = None
-        self.record(plan, outcomes)
         for key in ("evaluations", "best_evaluation", "best_step", "checkpoint", "seconds", "model_seconds"):
             trial.set_user_attr(key, getattr(outcome, key))
-        aborted = [o for o in outcomes if o.state == ABORTED]
-        if aborted:
-            self.peers_gone = True  # every rank raises this error now: nobody waits for another message
-            raise ConfigError(f"trial {trial.number} cannot run: {aborted[0].error}")
+        self.record(plan, outcomes)
         # The rank where it went wrong first: the others only say that some rank failed.
         failed = sorted(
             ((rank, o) for rank, o in enumerate(outcomes) if o.state == FAILED),
@@ -310,17 +285,16 @@ class Search:
         return outcome.value
 
     def record(self, plan: TrialPlan, outcomes: list[Any]) -> None:
-        mine = outcomes[sync.rank()]
-        self.outcomes.append({"number": plan.number, "params": plan.params, **asdict(mine)})
+        """Every rank, after each trial: keep this rank's outcome; end the search if a rank found a wrong setting."""
+        self.outcomes.append({"number": plan.number, "params": plan.params, **asdict(outcomes[sync.rank()])})
+        aborted = [o for o in outcomes if o.state == ABORTED]
+        if aborted:
+            self.peers_gone = True  # every rank raises this error now: nobody waits for another message
+            raise ConfigError(f"trial {plan.number} cannot run: {aborted[0].error}")
 
     def after_trial(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
-        """Optuna callback, after the user's: keep only the best trial's checkpoints; stop the study when it is time."""
-        self.remove_checkpoints_except_best(study)
-        if self.stop_reason() is not None:
-            study.stop()
-
-    def remove_checkpoints_except_best(self, study: optuna.Study) -> None:
-        """Delete this worker's trial checkpoints except the best trial's: the search keeps O(1) checkpoints."""
+        """Optuna callback, after the user's: delete this worker's trial checkpoints except the best trial's (the
+        search keeps O(1) checkpoints); stop the study when it is time."""
         keep = None
         with contextlib.suppress(ValueError):  # no complete trial yet
             keep = Path(self.output_dir).resolve() / trial_folder(study.best_trial.number)
@@ -328,17 +302,20 @@ class Search:
             if folder.resolve() != keep:
                 for checkpoint in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
                     shutil.rmtree(checkpoint, ignore_errors=True)
+        if self.stop_reason() is not None:
+            study.stop()
 
     def lead(self) -> None:
         """Rank 0: run trials until a stop reason (or a user's callback stops the study), then tell the others."""
         self.study = self.open_study()
         try:
             if (reason := self.stop_reason()) is None:
+                optimize = self.optimize_kwargs
                 self.study.optimize(
                     self.objective,
-                    catch=(TrialFailed, *self.catch),
-                    callbacks=[*self.callbacks, self.after_trial],
-                    gc_after_trial=self.gc_after_trial,
+                    catch=(TrialFailed, *optimize.get("catch", ())),
+                    callbacks=[*(optimize.get("callbacks") or ()), self.after_trial],
+                    gc_after_trial=optimize.get("gc_after_trial", False),
                 )
                 reason = self.stop_reason() or "a callback stopped the study"
             say(f"search ends: {reason}")
@@ -352,11 +329,7 @@ class Search:
             if plan == SKIP:
                 continue
             outcome = run_trial(self.trainer, self, plan)
-            outcomes = sync.end_trial(plan.number, outcome, self.settings.trial_end_timeout)
-            self.record(plan, outcomes)
-            aborted = [o for o in outcomes if o.state == ABORTED]
-            if aborted:
-                raise ConfigError(f"trial {plan.number} cannot run: {aborted[0].error}")
+            self.record(plan, sync.end_trial(plan.number, outcome, self.settings.trial_end_timeout))
 
     # ---- every rank ----
 
@@ -384,11 +357,18 @@ class Search:
 
     def run(self) -> BestRun:
         sync.start_control_group(self.settings.trial_end_timeout)
-        with frozen_gc():
+        # Exempt every object alive now (modules, datasets, the tokenizer) from garbage collection during the search:
+        # a full collection walks every object (about a second with transformers, peft and deepspeed imported), and
+        # accelerate collects at every train() and every release. Frozen, it looks only at what the trials created.
+        gc.collect()
+        gc.freeze()
+        try:
             if sync.rank() == 0:
                 self.lead()
             else:
                 self.follow()
+        finally:
+            gc.unfreeze()
         best = sync.broadcast(self.best_trial() if sync.rank() == 0 else None)
         if isinstance(best, str):
             raise HfScaleError(f"hyperparameter_search: {best}")
@@ -404,7 +384,6 @@ class Search:
         """Every rank: the best trial's model in the trainer, reloaded from its checkpoint or retrained, and saved."""
         trainer = self.trainer
         lora_updates = configure_trial(trainer, self, best)
-        trainer.args.output_dir = self.base_args.output_dir
         trainer.args.run_name = self.base_args.run_name
         have_checkpoint = best.checkpoint is not None and os.path.isdir(best.checkpoint)
         everyone_has_it = all(sync.gather(have_checkpoint))
@@ -428,27 +407,20 @@ class Search:
             say(f"best trial {best.number} ({best.value}): reloading {best.checkpoint}")
             # The Trainer's own loader (resume and load_best_model_at_end use it): full weights, shards or adapters.
             trainer._load_from_checkpoint(best.checkpoint, model)
-        save_model(trainer, str(Path(self.output_dir) / "best-model"))
+        # A reloaded model has no DeepSpeed engine yet: under ZeRO-1/2 every rank holds the whole model, and the stock
+        # save_model would ask the missing engine to save it.
+        deepspeed = trainer.is_deepspeed_enabled
+        trainer.is_deepspeed_enabled = deepspeed and trainer.deepspeed is not None
+        try:
+            trainer.save_model(str(Path(self.output_dir) / "best-model"))
+        finally:
+            trainer.is_deepspeed_enabled = deepspeed
         for name in PER_TRIAL_FIELDS:  # the best trial's values stay; the search's own settings go
             setattr(trainer.args, name, getattr(self.base_args, name))
         if trainer.is_world_process_zero():
             (Path(self.output_dir) / "best-model" / "hpo_best_trial.json").write_text(
                 json.dumps({**asdict(best), "retrained": retrain}, indent=2, default=str) + "\n"
             )
-
-
-def save_model(trainer: Any, path: str) -> None:
-    """`trainer.save_model`, also for a reloaded model that no DeepSpeed engine wraps yet.
-
-    Under ZeRO-1/2 every rank holds the whole model and the stock save_model would ask the missing engine to save."""
-    if not (trainer.is_deepspeed_enabled and trainer.deepspeed is None):
-        trainer.save_model(path)
-        return
-    trainer.is_deepspeed_enabled = False
-    try:
-        trainer.save_model(path)
-    finally:
-        trainer.is_deepspeed_enabled = True
 
 
 def hyperparameter_search(
@@ -465,10 +437,8 @@ def hyperparameter_search(
     if backend is not None and str(getattr(backend, "value", backend)) != "optuna":
         raise ConfigError(f"backend: hf_scale's search runs on Optuna only, got {backend!r}")
     search = Search(trainer, hp_space, compute_objective, n_trials, direction, hp_name, kwargs)
-    trainer.hp_search_study = None
     trainer.hp_search_outcomes = search.outcomes
     try:
-        best = search.run()
+        return search.run()
     finally:
         trainer.hp_search_study = search.study
-    return best

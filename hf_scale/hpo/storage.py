@@ -38,14 +38,6 @@ def quiet_experimental() -> Iterator[None]:
         yield
 
 
-def storage_spec(storage: str | None, output_dir: str) -> str:
-    """The storage as a string: `storage`, or the default SQLite file in `output_dir`."""
-    if storage:
-        return storage
-    path = Path(output_dir).resolve() / DEFAULT_STUDY_FILE
-    return f"sqlite:///{path}"
-
-
 def open_storage(
     spec: str, heartbeat_interval: int = 60, grace_period: int | None = None, max_retry: int | None = 2
 ) -> optuna.storages.BaseStorage:
@@ -57,7 +49,6 @@ def open_storage(
     `JournalHeartbeat`, since Optuna gives it none."""
     if heartbeat_interval < 1:
         raise ConfigError(f"heartbeat_interval: must be at least 1 second, got {heartbeat_interval}")
-    grace = grace_period or 2 * heartbeat_interval
     if spec.startswith(JOURNAL_PREFIX):
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
@@ -83,22 +74,21 @@ def open_storage(
     # Workers started together on a fresh database all create Optuna's tables: the losers of that race get a
     # duplicate-key error from CREATE TYPE/TABLE, and the tables exist once the winner is done, so they try again.
     for attempt in range(SCHEMA_RACE_ATTEMPTS):
+        time.sleep(attempt)  # none before the first try
         try:
             with quiet_experimental():
                 return RDBStorage(
                     spec,
                     engine_kwargs=engine_kwargs,
                     heartbeat_interval=heartbeat_interval,
-                    grace_period=grace,
+                    grace_period=grace_period or None,  # None: Optuna's default, twice the interval
                     heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
                 )
         except IntegrityError:
-            if attempt == SCHEMA_RACE_ATTEMPTS - 1:
-                raise ConfigError(f"storage {mask_secrets(spec)}: another worker kept creating its tables") from None
-            time.sleep(1 + attempt)
+            pass
         except Exception as error:  # the driver's message, never the URL with its password
             raise ConfigError(f"storage {mask_secrets(spec)}: cannot open it: {mask_secrets(str(error))}") from None
-    raise AssertionError("unreachable")
+    raise ConfigError(f"storage {mask_secrets(spec)}: another worker kept creating its tables")
 
 
 class JournalHeartbeat:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import shutil
 import time
 import traceback
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import psutil
 from peft import PeftModel
 from transformers import TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
@@ -175,17 +175,8 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
         error=error,
         seconds=time.perf_counter() - started,
         model_seconds=model_seconds,
-        rss_bytes=resident_memory(),
+        rss_bytes=psutil.Process().memory_info().rss,
     )
-
-
-def resident_memory() -> int | None:
-    """This process's resident memory in bytes (Linux), or None."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def release_trial(trainer: Any) -> None:

@@ -41,12 +41,11 @@ def main(argv: list[str]) -> dict:
 
     # 2. Data and tokenizer: Alpaca records, each one checked, a held-out split; labels on the response and EOS.
     data = prepare_data(model_args, data_args, args)
-    model_path, tokenizer, eval_records = data.model_path, data.tokenizer, data.eval_records
-    train_dataset, eval_dataset = data.train_dataset, data.eval_dataset
+    model_path, tokenizer, train_dataset = data.model_path, data.tokenizer, data.train_dataset
 
     # 3. Model and trainer; every evaluation also answers held-out records greedily (exact match, token F1).
     model = load_model(model_args, model_path, tokenizer)
-    exact_match_records = eval_records[: data_args.exact_match_samples]
+    exact_match_records = data.eval_records[: data_args.exact_match_samples]
     generation_eval = None
     if exact_match_records:
         generation_eval = GenerationEval(
@@ -56,7 +55,7 @@ def main(argv: list[str]) -> dict:
         model=model,
         args=args,
         train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
+        eval_dataset=data.eval_dataset,
         data_collator=make_collator(tokenizer, data_args.packing, data_args.pad_to_multiple_of),
         processing_class=tokenizer,
         generation_eval=generation_eval,
@@ -68,7 +67,7 @@ def main(argv: list[str]) -> dict:
     batching = batching_of(data_args.packing, args.train_sampling_strategy)
     for name, summary, dataset in (
         ("train", data.train_summary, train_dataset),
-        ("eval", data.eval_summary, eval_dataset),
+        ("eval", data.eval_summary, data.eval_dataset),
     ):
         lengths = [len(ids) for ids in dataset["input_ids"]]
         say(

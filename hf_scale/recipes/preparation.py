@@ -86,11 +86,10 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Sca
     settings: dict[str, Any] = dict(
         max_length=data_args.max_length, train_on_inputs=data_args.train_on_inputs, truncation=data_args.truncation
     )
+    tokenize = partial(tokenize_records, **settings)
+    if data_args.cache_tokenized:
+        tokenize = partial(cached_tokenize_records, cache_dir=cache_dir() / "tokenized", **settings)
     with args.main_process_first(desc="tokenizing"):
-        if data_args.cache_tokenized:
-            tokenize = partial(cached_tokenize_records, cache_dir=cache_dir() / "tokenized", **settings)
-        else:
-            tokenize = partial(tokenize_records, **settings)
         train_dataset, train_summary, *_ = tokenize(
             train_records, tokenizer, template, num_proc=data_args.preprocessing_num_workers
         )

@@ -27,15 +27,6 @@ TINY_MODEL_SEED = 0
 SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
 
 
-def _training_text() -> list[str]:
-    train, held_out = generate_tasks()
-    texts = []
-    for template in TEMPLATES.values():
-        for record in train + held_out:
-            texts.append(template.format_prompt(record["instruction"], record["input"]) + record["output"])
-    return texts
-
-
 def build_tiny_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = None) -> PreTrainedTokenizerFast:
     """A byte-level BPE like LLaMA's in the ways that matter here: digits are single tokens, `<s>`/`</s>`
     are BOS/EOS, and there is no pad token (the recipe chooses one, as it must for LLaMA-2).
@@ -52,7 +43,14 @@ def build_tiny_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = N
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_text() if texts is None else texts, trainer=trainer)
+    if texts is None:
+        train, held_out = generate_tasks()
+        texts = [
+            template.format_prompt(record["instruction"], record["input"]) + record["output"]
+            for template in TEMPLATES.values()
+            for record in train + held_out
+        ]
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS, add_bos_token=False)
 
 
@@ -77,18 +75,14 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, max_position_embeddings
     return LlamaForCausalLM(config)
 
 
-def default_tiny_model_dir() -> Path:
-    """Where the tiny default is cached: `$HF_SCALE_CACHE` or `~/.cache/hf_scale`, one folder per build version."""
-    return cache_dir() / f"tiny-llama-v{TINY_BUILD_VERSION}"
-
-
 def ensure_tiny_model(path: str | os.PathLike | None = None) -> Path:
     """Build the tiny model and tokenizer into `path` unless a complete build is already there; return the path.
 
-    The folder appears whole or not at all (built beside it, then renamed), so processes that start
-    together never load a half-written folder.
+    By default the path is in `$HF_SCALE_CACHE` or `~/.cache/hf_scale`, one folder per build version. The folder
+    appears whole or not at all (built beside it, then renamed), so processes that start together never load a
+    half-written folder.
     """
-    target = Path(path) if path is not None else default_tiny_model_dir()
+    target = Path(path) if path is not None else cache_dir() / f"tiny-llama-v{TINY_BUILD_VERSION}"
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,61 +10,51 @@ it measures learning, not memory. Every task is worded in English and in Chinese
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 NUMBER_RANGE = range(100, 999)  # every answer stays three digits wide: 998 + 1 = 999, 101 - 1 = 100
 HELD_OUT_SHARE = 0.1
 TASK_SEED = 1234
 
 
-def _next(n: int) -> str:
-    return str(n + 1)
-
-
-def _previous(n: int) -> str:
-    return str(n - 1)
-
-
-# (wordings in English and Chinese, whether the number goes into `input` or into the instruction, answer).
-# A wording with `{n}` has the number written into it and an empty `input`.
-TASKS: dict[str, tuple[list[str], bool, Callable[[int], str]]] = {
-    "add_one": (["Add one to the number.", "给这个数加一。"], True, _next),
-    "subtract_one": (["Subtract one from the number.", "给这个数减一。"], True, _previous),
-    "plus_one_question": (["What is {n} plus one?", "{n}加一等于多少？"], False, _next),
-    "minus_one_question": (["What is {n} minus one?", "{n}减一等于多少？"], False, _previous),
+# (wordings in English and Chinese, whether the number goes into `input` or into the instruction, what the answer
+# adds to the number). A wording with `{n}` has the number written into it and an empty `input`.
+TASKS: dict[str, tuple[list[str], bool, int]] = {
+    "add_one": (["Add one to the number.", "给这个数加一。"], True, 1),
+    "subtract_one": (["Subtract one from the number.", "给这个数减一。"], True, -1),
+    "plus_one_question": (["What is {n} plus one?", "{n}加一等于多少？"], False, 1),
+    "minus_one_question": (["What is {n} minus one?", "{n}减一等于多少？"], False, -1),
 }
 
 
-def split_numbers(seed: int = TASK_SEED, held_out_share: float = HELD_OUT_SHARE) -> tuple[list[int], list[int]]:
-    """Split NUMBER_RANGE into (train numbers, held-out numbers), disjoint and fixed by `seed`."""
+def split_numbers() -> tuple[list[int], list[int]]:
+    """Split NUMBER_RANGE into (train numbers, held-out numbers), disjoint and fixed by TASK_SEED."""
     numbers = list(NUMBER_RANGE)
-    random.Random(seed).shuffle(numbers)
-    n_held_out = int(len(numbers) * held_out_share)
+    random.Random(TASK_SEED).shuffle(numbers)
+    n_held_out = int(len(numbers) * HELD_OUT_SHARE)
     return sorted(numbers[n_held_out:]), sorted(numbers[:n_held_out])
 
 
 def _records_for(numbers: list[int]) -> list[dict[str, str]]:
     records = []
-    for wordings, number_in_input, answer in TASKS.values():
+    for wordings, number_in_input, offset in TASKS.values():
         for n in numbers:
-            if answer is _previous and n == NUMBER_RANGE.start:
+            if n + offset < NUMBER_RANGE.start:
                 continue  # 99 is two digits wide
             for wording in wordings:
                 if number_in_input:
-                    records.append({"instruction": wording, "input": str(n), "output": answer(n)})
+                    records.append({"instruction": wording, "input": str(n), "output": str(n + offset)})
                 else:
-                    records.append({"instruction": wording.format(n=n), "input": "", "output": answer(n)})
+                    records.append({"instruction": wording.format(n=n), "input": "", "output": str(n + offset)})
     return records
 
 
-def generate_tasks(seed: int = TASK_SEED) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def generate_tasks() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Return (train records, held-out records) in Alpaca format (`instruction`, `input`, `output`).
 
     The held-out records use only numbers that no train record mentions.
     """
-    train_numbers, held_out_numbers = split_numbers(seed)
-    train = _records_for(train_numbers)
-    random.Random(seed + 1).shuffle(train)
-    held_out = _records_for(held_out_numbers)
-    random.Random(seed + 2).shuffle(held_out)
+    train_numbers, held_out_numbers = split_numbers()
+    train, held_out = _records_for(train_numbers), _records_for(held_out_numbers)
+    random.Random(TASK_SEED + 1).shuffle(train)
+    random.Random(TASK_SEED + 2).shuffle(held_out)
     return train, held_out

@@ -14,6 +14,7 @@ from hf_scale.errors import ConfigError
 from hf_scale.hpo.objective import BestValue, check_against_direction, metric_objective, resolve_direction
 from hf_scale.hpo.report import load_study, trials_table, write_report
 from hf_scale.hpo.search import make_pruner, split_kwargs
+from hf_scale.hpo.settings import SpaceArguments
 from hf_scale.hpo.space import accumulation_steps, default_hp_space, effective_batch_choices, split_hyperparameters
 from hf_scale.hpo.storage import JournalHeartbeat, open_storage
 from hf_scale.hpo.sync import setup_missed_message
@@ -44,6 +45,21 @@ def test_default_space_adds_lora_values_for_a_peft_model():
     for params in sample(default_hp_space(peft=True), trials=10):
         assert params["lora_r"] in (8, 16, 32, 64) and params["lora_alpha"] in (16, 32, 64)
         assert 0 <= params["lora_dropout"] <= 0.1
+
+
+def test_space_arguments_set_the_ranges_and_refuse_bad_ones_when_built():
+    space = SpaceArguments(search_space="pre_training", lr_min=1e-4, per_device_batches="1,16", effective_batch_max=64)
+    for params in sample(default_hp_space(world_size=2, space=space), trials=20):
+        assert 1e-4 <= params["learning_rate"] <= 5e-4  # pre_training's ceiling, the given floor
+        assert params["per_device_train_batch_size"] in (1, 16)
+        assert 32 <= params["per_device_train_batch_size"] * 2 * params["gradient_accumulation_steps"] <= 64
+    for bad, message in [
+        (dict(search_space="pretraining"), "search_space: unknown space 'pretraining'"),
+        (dict(lr_min=1e-3), "lr_min / lr_max: need 0 < lr_min < lr_max"),
+        (dict(per_device_batches="2;4"), "per_device_batches: not a list of integers"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            SpaceArguments(**bad)
 
 
 def test_batch_helpers():
