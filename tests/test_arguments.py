@@ -79,6 +79,9 @@ def test_building_the_arguments_writes_nothing_and_starts_no_deepspeed_group(tmp
     for report in reports:
         built = report["built"]
         assert built["writes"] == [] and built["deepspeed_comm"] is False, built
+        # The torch group is transformers' own: TrainingArguments.__post_init__ evaluates `self.device` ("Device
+        # Init"), which joins the launched processes, for a plain TrainingArguments just the same.
+        assert built["torch_process_group"] is True
         assert built["accumulation"] == 4  # 16 = 2 per device x 2 processes x 4
         assert report["prepared_deepspeed_comm"] is True
     assert not (tmp_path / "run").exists()
