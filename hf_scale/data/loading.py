@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from datasets import Dataset, load_dataset
 
@@ -16,6 +17,7 @@ from hf_scale.errors import ConfigError, DataError
 
 FILE_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 OnBadRecord = Literal["error", "skip"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,27 +83,31 @@ def load_records(
                                       on_bad_record="skip")
         print(check)  # records read, kept, skipped (with the first indices and why)
     """
+    records, source = read_records(data, key)
+    return check_records(records, source=source, fields=fields, on_bad_record=on_bad_record)
+
+
+def read_records(data: str | Dataset, key: str = "dataset") -> tuple[list, str]:
+    """The raw, unchecked records of a .json/.jsonl/.csv/.parquet file or folder, a hub dataset id or a `Dataset`,
+    and the name of their source for messages. `key` is the config key that named the data, for error messages."""
     if isinstance(data, Dataset):
-        records, data = data.to_list(), "the given Dataset"
-    elif not (path := Path(data).expanduser()).exists() and not looks_like_local_path(data):
-        records = load_dataset(data, split="train").to_list()
-    elif not path.exists():
+        return data.to_list(), "the given Dataset"
+    if not (path := Path(data).expanduser()).exists() and not looks_like_local_path(data):
+        return load_dataset(data, split="train").to_list(), data
+    if not path.exists():
         raise ConfigError(f"{key}: data file not found: {data}")
-    else:
-        builder, files = _data_files(path, key, data)
-        if builder == "json":
-            # Read here, not through datasets: it names no line in a broken file, and it looped forever on a
-            # valid file whose records nest values of mixed types (datasets 4.8, found by tests/test_fuzz.py).
-            records = [record for file in files for record in _json_records(file, key)]
-        else:
-            try:
-                records = load_dataset(builder, data_files=files, split="train").to_list()
-            except Exception as error:  # datasets raises many types, rarely naming the line
-                if builder == "csv":
-                    for file in files:
-                        _read_text(file, key)  # an undecodable or empty file: named with its line
-                raise DataError(f"{key}: could not read {data}: {_cause(error)}") from error
-    return check_records(records, source=data, fields=fields, on_bad_record=on_bad_record)
+    builder, files = _data_files(path, key, data)
+    if builder == "json":
+        # Read here, not through datasets: it names no line in a broken file, and it looped forever on a
+        # valid file whose records nest values of mixed types (datasets 4.8, found by tests/test_fuzz.py).
+        return [record for file in files for record in _json_records(file, key)], data
+    try:
+        return load_dataset(builder, data_files=files, split="train").to_list(), data
+    except Exception as error:  # datasets raises many types, rarely naming the line
+        if builder == "csv":
+            for file in files:
+                _read_text(file, key)  # an undecodable or empty file: named with its line
+        raise DataError(f"{key}: could not read {data}: {_cause(error)}") from error
 
 
 def _read_text(file: str, key: str) -> str:
@@ -182,6 +188,25 @@ def check_records(
     records: list[dict], source: str, fields: FieldNames = FieldNames(), on_bad_record: OnBadRecord = "error"
 ) -> tuple[list[dict[str, str]], RecordCheck]:
     """Check every record; stop at the first bad one (`"error"`) or skip and count them (`"skip"`)."""
+
+    def problem(record: object) -> str | None:
+        return _problem(record, fields) if isinstance(record, dict) else "not a mapping of fields"
+
+    def normal(record: dict) -> dict[str, str]:
+        return {role: record.get(column) or "" for role, column in vars(fields).items()}  # no input: ""
+
+    return check_each_record(records, source, on_bad_record, problem, normal)
+
+
+def check_each_record(
+    records: list,
+    source: str,
+    on_bad_record: OnBadRecord,
+    problem: Callable[[Any], str | None],
+    normal: Callable[[Any], T],
+) -> tuple[list[T], RecordCheck]:
+    """The policy every record format shares: each record's `problem` (None when valid) stops the load
+    (`"error"`) or is skipped and counted (`"skip"`); a valid record is kept in its `normal` form."""
     if on_bad_record not in ("error", "skip"):
         raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
     if not records:
@@ -189,13 +214,12 @@ def check_records(
     check = RecordCheck(source=source, records=len(records))
     valid = []
     for index, record in enumerate(records):
-        problem = _problem(record, fields) if isinstance(record, dict) else "not a mapping of fields"
-        if problem is None:
-            valid.append({role: record.get(column) or "" for role, column in vars(fields).items()})  # no input: ""
+        if (found := problem(record)) is None:
+            valid.append(normal(record))
         elif on_bad_record == "error":
-            raise DataError(f"{source}: record {index}: {problem} (on_bad_record='skip' skips and counts such records)")
+            raise DataError(f"{source}: record {index}: {found} (on_bad_record='skip' skips and counts such records)")
         else:
-            check.skipped.append((index, problem))
+            check.skipped.append((index, found))
     if not valid:
         raise DataError(f"{check}: no valid record left")
     return valid, check

@@ -2,14 +2,18 @@
 
 Both are built from the project's own generated text in a few seconds, deterministically, so every process
 and every machine builds the same model. `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(folder)`
-load the result like any hub model.
+load the result like any hub model. `build_sentencepiece_tokenizer` builds a second kind, shaped like LLaMA-2's
+SentencePiece tokenizer, for tests that need its quirks (▁ word starts, byte fallback) without the hub.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,6 +29,20 @@ from hf_scale.tiny.tasks import generate_tasks
 TINY_BUILD_VERSION = 1
 TINY_MODEL_SEED = 0
 SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+# LLaMA-2's layout: <unk>, <s>, </s> at ids 0-2, then one token per byte at ids 3-258, then the learned pieces.
+BYTE_TOKENS = [f"<0x{byte:02X}>" for byte in range(256)]
+# LLaMA-2's SentencePiece setting: characters rarer than this share of the training text are left to the bytes.
+CHARACTER_COVERAGE = 0.9995
+
+
+def _generated_texts() -> list[str]:
+    """Every generated task in every template's wording: the default training text of both tokenizers."""
+    train, held_out = generate_tasks()
+    return [
+        template.format_prompt(record["instruction"], record["input"]) + record["output"]
+        for template in TEMPLATES.values()
+        for record in train + held_out
+    ]
 
 
 def build_tiny_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = None) -> PreTrainedTokenizerFast:
@@ -43,15 +61,89 @@ def build_tiny_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = N
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    if texts is None:
-        train, held_out = generate_tasks()
-        texts = [
-            template.format_prompt(record["instruction"], record["input"]) + record["output"]
-            for template in TEMPLATES.values()
-            for record in train + held_out
-        ]
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.train_from_iterator(_generated_texts() if texts is None else texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS, add_bos_token=False)
+
+
+def build_sentencepiece_tokenizer(
+    texts: Iterable[str] | None = None, vocab_size: int = 2000
+) -> PreTrainedTokenizerFast:
+    """A BPE tokenizer laid out like meta-llama/Llama-2-7b-hf's, as transformers 5 loads it, for tests of what
+    LLaMA-2's SentencePiece tokenizer does that a byte-level one does not.
+
+    Like LLaMA-2's: ids 0, 1, 2 are `<unk>`, `<s>`, `</s>` (UNK, BOS, EOS; no pad token); ids 3-258 are the byte
+    tokens `<0x00>`-`<0xFF>`, through which characters outside the vocabulary (emoji, rare CJK, the newline) are
+    encoded and decoded exactly; a word starts with "▁", one "▁" is put before the text; digits are single
+    tokens; `<s>`/`</s>` written in a text are the special ids; BOS is added unless `add_special_tokens=False`.
+    Trained on the generated tasks, or on `texts`; `vocab_size` counts the special and byte tokens. The same
+    texts give the same vocabulary.
+
+    Example:
+        tokenizer = build_sentencepiece_tokenizer(["hello world 42", "你好，世界"] * 10, vocab_size=300)
+        tokenizer.tokenize("hello 24")  # ['▁hello', '▁', '2', '4']
+        tokenizer.tokenize("world 😀")  # ['▁world', '▁', '<0xF0>', '<0x9F>', '<0x98>', '<0x80>']
+    """
+    special = list(SPECIAL_TOKENS.values())
+    budget = vocab_size - len(special) - len(BYTE_TOKENS)
+    if budget < 2:
+        reserved = len(special) + len(BYTE_TOKENS)
+        raise ValueError(
+            f"vocab_size {vocab_size} leaves no room for pieces after the {reserved} special and byte tokens"
+        )
+    texts = _generated_texts() if texts is None else list(texts)
+
+    # SentencePiece keeps the commonest characters (by coverage) and leaves the rest to the byte tokens; the
+    # newline is never a piece in LLaMA-2 (SentencePiece reads its corpus line by line), so it is a byte too.
+    # Half the budget at most, so that a vocabulary this small still has room for merges. Ties are broken by
+    # the character, not left to the trainer's own cut (`limit_alphabet`), whose order is not fixed.
+    counts = Counter(char for text in texts for char in text)
+    del counts["\n"]
+    if not counts:
+        raise ValueError("texts hold no characters to learn pieces from")
+    total, covered, alphabet = sum(counts.values()), 0, []
+    for char, count in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        if covered >= CHARACTER_COVERAGE * total or len(alphabet) >= budget // 2:
+            break
+        alphabet.append(char)
+        covered += count
+    # Special tokens are cut out too: in encoding they are matched before the pieces, never merged into one.
+    cuts = re.compile("|".join([*map(re.escape, special), "[^" + "".join(map(re.escape, sorted(alphabet))) + "]+"]))
+
+    def fragments() -> Iterable[str]:
+        # Cut at the characters left to the bytes so that no piece learns them; only the start of the text gets
+        # the prepended "▁", as at encoding time (a word after a newline, an emoji or `<s>` starts without one).
+        for text in texts:
+            for index, fragment in enumerate(cuts.split(text)):
+                if fragment:
+                    yield " " + fragment if index == 0 and not fragment.startswith(" ") else fragment
+
+    # Trained with the text cut at every "▁" and around every digit, so that no merge crosses a word start or
+    # joins a digit to anything: then encoding the whole text as one word, as LLaMA-2 does, splits the same way.
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True),
+            pre_tokenizers.Digits(individual_digits=True),
+        ]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(BYTE_TOKENS), special_tokens=special, show_progress=False)
+    learner.train_from_iterator(fragments(), trainer=trainer)
+    learned = json.loads(learner.to_str())["model"]
+
+    # The byte tokens go in as ordinary vocabulary (as in LLaMA-2), not as added tokens, for byte fallback to find
+    # them. No learned piece can be named like one: "<0x..>" holds the digit 0, and digits are never merged.
+    pieces = sorted((index, piece) for piece, index in learned["vocab"].items() if index >= len(special))
+    vocab = {token: index for index, token in enumerate(special + BYTE_TOKENS + [piece for _, piece in pieces])}
+    merges = [tuple(merge) for merge in learned["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    # transformers 5 builds LLaMA-2's (legacy=False) this way: "▁" before the first word only, not after each
+    # special token, and the whole text one word for the merges.
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    # add_bos_token as LLaMA-2's; the recipe's own tokenizing passes add_special_tokens=False and adds BOS itself.
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS, add_bos_token=True)
 
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, max_position_embeddings: int = 512) -> LlamaForCausalLM:

@@ -8,25 +8,13 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from hf_scale.data.multiturn import LLAMA2_CHAT_TEMPLATE
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-# The chat_template of meta-llama/Llama-2-7b-chat-hf.
-LLAMA2_TEMPLATE = (
-    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
-    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
-    "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if loop.index0 == 0 and system_message != false %}"
-    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
-    "{% else %}{% set content = message['content'] %}{% endif %}"
-    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
 )
 
 
@@ -43,5 +31,5 @@ def chatml_tokenizer(tiny_model_dir) -> PreTrainedTokenizerBase:
 def llama2_tokenizer(tiny_model_dir) -> PreTrainedTokenizerBase:
     """The tiny tokenizer (BOS `<s>`, EOS `</s>`, as LLaMA-2's) with LLaMA-2 chat's template."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    tokenizer.chat_template = LLAMA2_TEMPLATE
+    tokenizer.chat_template = LLAMA2_CHAT_TEMPLATE
     return tokenizer
