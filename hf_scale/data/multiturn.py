@@ -22,6 +22,7 @@ from typing import Literal
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from hf_scale.data.templates import through_end_of_turn
 from hf_scale.data.tokenize import IGNORE_INDEX, Truncation
 from hf_scale.errors import ConfigError, DataError
 
@@ -86,12 +87,6 @@ def render(tokenizer: PreTrainedTokenizerBase, template: str, turns: list[Turn],
     )
 
 
-def special_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """Every special token's text: bos/eos/unk/pad and added special tokens (ChatML's <|im_end|>)."""
-    added = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
-    return sorted({*tokenizer.all_special_tokens, *added})
-
-
 def assistant_spans(
     tokenizer: PreTrainedTokenizerBase, template: str, turns: list[Turn]
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -100,7 +95,6 @@ def assistant_spans(
     A span starts where the turn's generation prompt ends and runs through the first special token after the
     turn's content (its end of turn); what follows that token (ChatML's newline) belongs to no turn."""
     text = render(tokenizer, template, turns, generation_prompt=False)
-    special = special_tokens(tokenizer)
     spans = []
     for index, turn in enumerate(turns):
         if turn["role"] != "assistant":
@@ -116,15 +110,13 @@ def assistant_spans(
         tail = answered[len(prompt) :]
         content = turn["content"].strip()  # templates may strip it (LLaMA-2's does)
         after_content = tail.find(content) + len(content) if content in tail else 0
-        # The first special token after the content; at one position the longest (</s> before a shorter prefix).
-        found = [(tail.find(token, after_content), -len(token)) for token in special]
-        start, minus_length = min(((at, n) for at, n in found if at >= 0), default=(-1, 0))
-        if start < 0:
+        through, end_of_turn = through_end_of_turn(tokenizer, tail[after_content:])
+        if not end_of_turn:
             raise ConfigError(
                 f"template: the assistant's turn {index} ends with no special token (such as EOS): a model trained "
                 "on it could never learn where its turn ends"
             )
-        spans.append((len(prompt), len(prompt) + start - minus_length))
+        spans.append((len(prompt), len(prompt) + after_content + len(through)))
     return text, spans
 
 

@@ -167,7 +167,7 @@ def _chat_template(tokenizer: PreTrainedTokenizerBase | None, system_prompt: str
             "generated from; use a template that renders both alike, or a JSON user template"
         )
     before, after = answered[len(prompt) :].split(answer, 1)
-    after, end_of_turn = _through_end_of_turn(tokenizer, after)
+    after, end_of_turn = through_end_of_turn(tokenizer, after)
     with_input = escaped(render(marker + "\n\n\x00INPUT\x00")).replace("\x00INPUT\x00", "{input}")
     return PromptTemplate(
         name=CHAT_TEMPLATE,
@@ -178,7 +178,7 @@ def _chat_template(tokenizer: PreTrainedTokenizerBase | None, system_prompt: str
     )
 
 
-def _through_end_of_turn(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[str, str]:
+def through_end_of_turn(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[str, str]:
     """`text` (what a chat template writes after the answer) up to and with its first special token, and that token.
 
     Without a special token: `text` without trailing whitespace, and no end-of-turn token.
