@@ -1,6 +1,7 @@
 """The `hf-scale` command: `plan` (memory per strategy and a recommendation), `presets` (list, show), `train` (the
 fine-tuning recipe), `search` (the hyperparameter search recipe), `recipes` (the shipped configs; copy a recipe out),
-`report` (a search's trials table and plots) and `env` (versions, devices, DeepSpeed ops)."""
+`report` (a search's trials table and plots), `env` (versions, devices, DeepSpeed ops), `chat` (talk to a trained
+run) and `export` (a plain HF folder from a run, LoRA merged)."""
 
 from __future__ import annotations
 
@@ -187,6 +188,30 @@ def report_command(options: argparse.Namespace) -> None:
         print(f"trials table and plots in {write_report(study, options.out)}")
 
 
+CHAT_EXAMPLES = """examples:
+  hf-scale chat outputs/tiny-cpu                               # a conversation (/reset, /system TEXT, /exit)
+  hf-scale chat outputs/tiny-cpu --prompt "What is 417 plus one?"   # one answer, for scripts
+  echo "What is 417 plus one?" | hf-scale chat outputs/tiny-cpu     # one turn per line of standard input
+"""
+
+EXPORT_EXAMPLES = """examples:
+  hf-scale export outputs/tiny-cpu exported/tiny
+  hf-scale export outputs/llama2-7b-lora exported/llama2-7b-merged --merge-lora
+"""
+
+
+def chat_command(options: argparse.Namespace) -> None:
+    from hf_scale.chat import chat_with_run
+
+    chat_with_run(options)
+
+
+def export_command(options: argparse.Namespace) -> None:
+    from hf_scale.export import export_run
+
+    export_run(options.run_dir, options.out, merge_lora=options.merge_lora, dtype=options.dtype)
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse, with a bad argument reported on one line (and where the help is) instead of usage + error, and
     the examples of each epilog kept as written."""
@@ -257,6 +282,32 @@ def build_parser() -> argparse.ArgumentParser:
     report_parser.add_argument("--study-name", help="needed when the storage holds several studies")
     report_parser.add_argument("--out", help="folder for trials.csv, trials.json and the plots")
     report_parser.set_defaults(run=report_command)
+
+    chat_parser = commands.add_parser(
+        "chat", help="talk to a trained run (its model, adapter and chat template)", epilog=CHAT_EXAMPLES
+    )
+    chat_parser.add_argument("run_dir", help="a run's output_dir (or a checkpoint or export folder)")
+    chat_parser.add_argument("--prompt", help="answer this one message and exit")
+    chat_parser.add_argument("--system", help="system prompt (when the chat template takes one)")
+    chat_parser.add_argument("--max-new-tokens", type=int, default=256)
+    chat_parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    chat_parser.add_argument("--temperature", type=float, default=0.7, help="with --do-sample")
+    chat_parser.add_argument("--top-p", type=float, default=0.9, help="with --do-sample")
+    chat_parser.add_argument("--seed", type=int, default=0, help="with --do-sample")
+    chat_parser.set_defaults(run=chat_command)
+
+    export_parser = commands.add_parser(
+        "export", help="a plain HF model folder from a run, loadable without hf_scale", epilog=EXPORT_EXAMPLES
+    )
+    export_parser.add_argument("run_dir", help="a run's output_dir (or one of its checkpoints)")
+    export_parser.add_argument("out", help="the new folder (must not exist)")
+    export_parser.add_argument(
+        "--merge-lora", action="store_true", help="merge a LoRA adapter into its base (else the adapter is copied)"
+    )
+    export_parser.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: the base's dtype"
+    )
+    export_parser.set_defaults(run=export_command)
     return parser
 
 

@@ -85,6 +85,8 @@ def _flags_for(key: str, value: Any, action, source: str) -> list[str]:
     flag = f"--{key}"
     if isinstance(value, bool):
         return [flag, str(value).lower()]
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        return [flag, json.dumps(value)]  # a list of mappings (`datasets`) travels as one JSON value
     if isinstance(value, (list, tuple)):
         if action.nargs not in ("+", "*"):
             raise ConfigError(f"{source}: key {key!r} takes one value, got a list {value!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate import PartialState
@@ -63,7 +64,7 @@ def _generate_batch(
     max_new_tokens: int,
 ) -> list[str]:
     """Greedy-generate one left-padded batch and decode the new tokens (special tokens, padding included, dropped)."""
-    prompts = [prompt_ids(tokenizer, template.format_prompt(r["instruction"], r.get("input") or "")) for r in batch]
+    prompts = [held_out_prompt_ids(tokenizer, template, record) for record in batch]
     # Left padding, for this batch only (training pads on the right whatever the tokenizer says): every prompt ends
     # at the last column, where generation appends.
     inputs = tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt").to(model.device)
@@ -80,6 +81,16 @@ def _generate_batch(
         return_dict_in_generate=False,
     )
     return tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def held_out_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, template: PromptTemplate, record: dict[str, Any]
+) -> list[int]:
+    """What generation is given for a held-out record: its `prompt_ids` when it has them (a conversation's last
+    turn, the history rendered by its chat template), else its instruction and input in `template`, after BOS."""
+    if "prompt_ids" in record:
+        return list(record["prompt_ids"])
+    return prompt_ids(tokenizer, template.format_prompt(record["instruction"], record.get("input") or ""))
 
 
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, template: PromptTemplate) -> list[int]:

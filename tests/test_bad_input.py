@@ -156,8 +156,8 @@ CASES = [
         "over-long records: none fits",
         "dataset: {inputs}/good.jsonl\nmax_length: 16\ntruncation: drop",
         [],
-        r"max_length=16 leaves no train example: all 19 records dropped \(0 because the prompt alone fills "
-        r"max_length, 19 too long with truncation='drop'\)",
+        r"max_length=16 leaves no train example in .*good.jsonl: all 19 records dropped \(0 because the prompt alone "
+        r"fills max_length, 19 too long with truncation='drop'\)",
     ),
 ]
 SUBPROCESS_CASE = "non-UTF-8 bytes"  # a data error: the deepest a row goes before it stops

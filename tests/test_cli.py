@@ -1,5 +1,7 @@
+import io
 import json
 import re
+import shlex
 from pathlib import Path
 
 import optuna
@@ -71,7 +73,8 @@ def test_help_has_examples(capsys):
     assert "hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4" in capsys.readouterr().out
 
 
-HELPS = [[], ["plan"], ["presets"], ["train"], ["env"], ["search"], ["recipes"], ["report"]]
+HELPS = [[], ["plan"], ["presets"], ["train"], ["env"], ["search"], ["recipes"], ["report"], ["chat"], ["export"]]
+RUN_FOLDER_COMMANDS = (["chat"], ["export"])  # their examples need a trained run: test_chat_and_export_examples_run
 
 
 def help_of(command: list[str], capsys) -> str:
@@ -95,6 +98,8 @@ def test_every_example_in_the_help_runs(tmp_path, capsys, hf_scale_cache):
     """Each `hf-scale ...` line of every help exits 0: train and search write into tmp_path, report reads a study."""
     examples = []
     for command in HELPS:
+        if command in RUN_FOLDER_COMMANDS:
+            continue
         out = help_of(command, capsys)
         examples += re.findall(r"^  (hf-scale [^#\n]*?)\s*(?:#.*)?$", out, re.MULTILINE)
     study_file = "outputs/search-tiny-cpu/optuna_study.db"
@@ -113,6 +118,30 @@ def test_every_example_in_the_help_runs(tmp_path, capsys, hf_scale_cache):
     assert commands == {"plan", "presets", "train", "env", "search", "recipes", "report"}
     assert (tmp_path / "train" / "model.safetensors").is_file() and (tmp_path / "search" / "best_run.json").is_file()
     assert (tmp_path / "report" / "trials.csv").is_file()
+
+
+@pytest.mark.slow
+def test_chat_and_export_examples_run(trained_tiny_run, trained_tiny_lora_run, tmp_path, capsys, monkeypatch):
+    """Each `hf-scale chat` / `hf-scale export` line of their helps, on trained tiny runs (full and LoRA): the chat
+    answers the held-out question right, the exports are whole model folders."""
+    runs = {"outputs/tiny-cpu": str(trained_tiny_run), "outputs/llama2-7b-lora": str(trained_tiny_lora_run)}
+    examples = [
+        example
+        for command in RUN_FOLDER_COMMANDS
+        for example in re.findall(r"^  (hf-scale [^#\n]*?)\s*(?:#.*)?$", help_of(command, capsys), re.MULTILINE)
+    ]
+    assert len(examples) == 4
+    for example in examples:
+        words = shlex.split(example)[1:]
+        words = [runs.get(word, str(tmp_path / word) if word.startswith("exported/") else word) for word in words]
+        monkeypatch.setattr("sys.stdin", io.StringIO("What is 417 plus one?\n"))  # the REPL's one turn
+        assert main(words) == 0, example
+        out = capsys.readouterr().out
+        if words[0] == "chat":
+            assert "418" in out, (example, out)
+    assert (tmp_path / "exported/tiny/model.safetensors").is_file()
+    assert (tmp_path / "exported/llama2-7b-merged/model.safetensors").is_file()  # merged: no adapter left
+    assert not (tmp_path / "exported/llama2-7b-merged/adapter_config.json").exists()
 
 
 def test_env_reports_versions_and_devices(capsys):

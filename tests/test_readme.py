@@ -84,6 +84,18 @@ RUN_BY = {
     "hf-scale presets list": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
     "hf-scale presets show zero2": "tests/test_cli.py::test_presets_list_and_show",
     "hf-scale env": "tests/test_cli.py::test_env_reports_versions_and_devices",
+    "hf-scale train --config tiny_chat_cpu": "tests/recipes/test_finetune_llama2.py::"
+    "test_multi_turn_default_learns_the_turn_that_depends_on_the_first",
+    "hf-scale chat": "tests/test_chat.py::test_a_terminal_conversation_streams_answers",
+    "hf-scale chat RUN_DIR": "tests/test_chat.py::test_standard_input_is_one_conversation_one_answer_per_line",
+    "hf-scale export RUN_DIR OUT": "tests/test_export.py::"
+    "test_merged_lora_export_answers_as_the_adapter_does_without_hf_scale",
+    "hf-scale chat outputs/tiny-cpu": "tests/test_cli.py::test_chat_and_export_examples_run",
+    'hf-scale chat outputs/tiny-cpu --prompt "What is 417 plus one?"': "tests/test_cli.py::"
+    "test_chat_and_export_examples_run",
+    "hf-scale export outputs/tiny-cpu exported/tiny": "tests/test_cli.py::test_chat_and_export_examples_run",
+    "hf-scale export outputs/llama2-7b-lora exported/llama2-7b-merged --merge-lora": "tests/test_cli.py::"
+    "test_chat_and_export_examples_run",
     "hf-scale report STUDY": "tests/hpo/test_units.py::test_report_command_reads_a_study_file",
     "accelerate launch": "tests/recipes/test_configs_as_shipped.py::"
     "test_config_launched_as_shipped_trains_and_saves_what_loads",

@@ -6,7 +6,9 @@ No `from __future__ import annotations` here: `HfArgumentParser` reads the field
 from dataclasses import dataclass, field
 from typing import get_args
 
-from hf_scale.data.loading import FieldNames, OnBadRecord
+from hf_scale.data.loading import OnBadRecord
+from hf_scale.data.mixture import FIELD_KEYS, DataFormat, DataSource, Mixture, parse_sources
+from hf_scale.data.multiturn import AssistantTurns
 from hf_scale.data.tokenize import Truncation
 from hf_scale.errors import ConfigError
 
@@ -18,8 +20,31 @@ class DataArguments:
     dataset: str | None = field(
         default=None,
         metadata={
-            "help": "Alpaca-format data: a .json/.jsonl/.csv/.parquet file or folder, or a hub dataset id such as "
-            "silk-road/alpaca-data-gpt4-chinese. Empty: the embedded generated tasks."
+            "help": "Instruction data in `data_format`: a .json/.jsonl/.csv/.parquet file or folder, or a hub dataset "
+            "id such as silk-road/alpaca-data-gpt4-chinese. Empty: the embedded generated tasks."
+        },
+    )
+    data_format: DataFormat = field(
+        default="alpaca",
+        metadata={
+            "help": "alpaca (instruction/input/output records), sharegpt (conversations: [{from: system|human|gpt, "
+            "value}]) or messages (messages: [{role: system|user|assistant, content}]). With no dataset: the "
+            "embedded one-turn tasks (alpaca) or two-turn conversations (sharegpt, messages)."
+        },
+    )
+    datasets: str | None = field(
+        default=None,
+        metadata={
+            "help": "Several datasets in one run, instead of `dataset`: a list (in YAML; a JSON list as a flag) of "
+            "{path, weight, data_format, eval_path, and any *_field key}; keys left out take this run's values."
+        },
+    )
+    mixture: Mixture = field(
+        default="interleave",
+        metadata={
+            "help": "How `datasets` mix: interleave (by weight, seeded, until the first source is used up), "
+            "interleave_all (until every source is; the others are drawn again) or concatenate (each example "
+            "once). The run prints what it took from each source."
         },
     )
     eval_dataset: str | None = field(
@@ -31,6 +56,15 @@ class DataArguments:
     instruction_field: str = field(default="instruction", metadata={"help": "Column holding the instruction."})
     input_field: str = field(default="input", metadata={"help": "Column holding the optional input."})
     output_field: str = field(default="output", metadata={"help": "Column holding the response."})
+    conversation_field: str | None = field(
+        default=None, metadata={"help": "Field holding a record's turns (default: conversations or messages)."}
+    )
+    role_field: str | None = field(default=None, metadata={"help": "A turn's field naming the speaker (from, role)."})
+    content_field: str | None = field(default=None, metadata={"help": "A turn's text field (value, content)."})
+    assistant_turns: AssistantTurns = field(
+        default="all",
+        metadata={"help": "Conversations: train on every assistant turn (all) or on the last one only (last)."},
+    )
     on_bad_record: OnBadRecord = field(
         default="error",
         metadata={
@@ -42,7 +76,9 @@ class DataArguments:
         default="alpaca",
         metadata={
             "help": "Prompt template: alpaca, alpaca_zh, llama2_chat, chat_template (the tokenizer's own), or a JSON "
-            'user template {"with_input": ..., "without_input": ..., "response": "{output}"}.'
+            'user template {"with_input": ..., "without_input": ..., "response": "{output}"} (one-turn data only). '
+            "It renders conversations too (the Alpaca ones extended to several turns) and is saved with the "
+            "tokenizer as its chat template."
         },
     )
     system_prompt: str | None = field(
@@ -97,10 +133,23 @@ class DataArguments:
         if self.exact_match_samples < 0:
             raise ConfigError(f"exact_match_samples must be 0 or more, got {self.exact_match_samples}")
         # The flags get these as choices; a script that builds the arguments in Python gets the same check.
-        for name, allowed in (("truncation", get_args(Truncation)), ("on_bad_record", get_args(OnBadRecord))):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        choices = {
+            "truncation": Truncation,
+            "on_bad_record": OnBadRecord,
+            "data_format": DataFormat,
+            "mixture": Mixture,
+            "assistant_turns": AssistantTurns,
+        }
+        for name, choice in choices.items():
+            if getattr(self, name) not in get_args(choice):
+                raise ConfigError(f"{name} must be one of {', '.join(get_args(choice))}, got {getattr(self, name)!r}")
+        if self.datasets and (self.dataset or self.eval_dataset):
+            raise ConfigError("datasets and dataset/eval_dataset are both set: give one (datasets may list one source)")
+        self.sources()  # every source's mistake stops here
 
-    @property
-    def fields(self) -> FieldNames:
-        return FieldNames(self.instruction_field, self.input_field, self.output_field)
+    def sources(self) -> list[DataSource]:
+        """The run's data sources: the entries of `datasets`, else `dataset` (or the embedded tasks) alone."""
+        defaults = {name: getattr(self, name) for name in ("data_format", *FIELD_KEYS)}
+        if self.datasets:
+            return parse_sources(self.datasets, defaults)
+        return [DataSource(self.dataset, eval_path=self.eval_dataset, **defaults)]

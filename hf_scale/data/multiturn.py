@@ -16,13 +16,14 @@ is counted in `ConversationSummary`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from hf_scale.data.templates import through_end_of_turn
+from hf_scale.data.templates import ALPACA, ALPACA_ZH, PromptTemplate, through_end_of_turn
 from hf_scale.data.tokenize import IGNORE_INDEX, Truncation
 from hf_scale.errors import ConfigError, DataError
 
@@ -43,7 +44,40 @@ LLAMA2_CHAT_TEMPLATE = (
     "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
     "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
 )
-CONVERSATION_TEMPLATES = {"llama2_chat": LLAMA2_CHAT_TEMPLATE, "chat_template": None}  # None: the tokenizer's own
+
+
+def alpaca_chat_template(template: PromptTemplate) -> str:
+    """An Alpaca template (without input) extended to several turns, as a Jinja chat template.
+
+    One turn renders exactly as the single-turn template with BOS and EOS: `<s>{preamble}### Instruction:\n{user}
+    \n\n### Response:\n{assistant}</s>`. Each further turn follows the previous answer's EOS with `\n\n### Instruction:
+    \n...`. A system turn replaces the preamble.
+    """
+    before, response_header = template.without_input.split("{instruction}")
+    preamble_end = before.rindex("### ")
+    preamble, instruction_header = before[:preamble_end], before[preamble_end:]
+
+    def literal(text: str) -> str:
+        return json.dumps(text, ensure_ascii=False)  # a Jinja string literal
+
+    return (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}"
+        f"{{% set loop_messages = messages[1:] %}}{{% else %}}{{{{ {literal(preamble)} }}}}"
+        "{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}"
+        "{% if message['role'] == 'user' %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+        f"{{{{ {literal(instruction_header)} + message['content'] }}}}"
+        f"{{% else %}}{{{{ {literal(response_header)} + message['content'] + eos_token }}}}{{% endif %}}{{% endfor %}}"
+        f"{{% if add_generation_prompt %}}{{{{ {literal(response_header)} }}}}{{% endif %}}"
+    )
+
+
+# By the names of `DataArguments.template`; None: the tokenizer's own.
+CONVERSATION_TEMPLATES = {
+    "alpaca": alpaca_chat_template(ALPACA),
+    "alpaca_zh": alpaca_chat_template(ALPACA_ZH),
+    "llama2_chat": LLAMA2_CHAT_TEMPLATE,
+    "chat_template": None,
+}
 
 
 @dataclass
@@ -72,9 +106,10 @@ class ConversationSummary:
 
 
 def chat_template_for(name: str, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The Jinja chat template called `name` (llama2_chat, or chat_template: the tokenizer's own)."""
+    """The Jinja chat template called `name`: alpaca, alpaca_zh, llama2_chat, or chat_template (the tokenizer's)."""
     if name not in CONVERSATION_TEMPLATES:
-        raise ConfigError(f"template: {name!r} cannot render conversations; use {' or '.join(CONVERSATION_TEMPLATES)}")
+        known = ", ".join(CONVERSATION_TEMPLATES)
+        raise ConfigError(f"template: {name!r} cannot render conversations; use one of {known}")
     template = CONVERSATION_TEMPLATES[name] or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ConfigError("template: chat_template needs a tokenizer that has a chat template")

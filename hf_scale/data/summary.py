@@ -7,7 +7,7 @@ from itertools import groupby
 from transformers import PreTrainedTokenizerBase
 
 from hf_scale.data.batching import Batching, padding_fraction
-from hf_scale.data.tokenize import IGNORE_INDEX, TokenizationSummary
+from hf_scale.data.tokenize import IGNORE_INDEX
 
 
 def render_masked_example(tokenizer: PreTrainedTokenizerBase, input_ids: list[int], labels: list[int]) -> str:
@@ -26,14 +26,7 @@ def batching_of(packing: bool, train_sampling_strategy: str) -> Batching:
     return "group_by_length" if train_sampling_strategy == "group_by_length" else "dynamic"
 
 
-def describe_data(
-    name: str,
-    summary: TokenizationSummary,
-    lengths: list[int],
-    batch_size: int,
-    batching: Batching,
-    pad_to_multiple_of: int | None,
-) -> str:
-    """One paragraph: the tokenization summary and the padding the chosen batching costs."""
+def describe_batching(lengths: list[int], batch_size: int, batching: Batching, pad_to_multiple_of: int | None) -> str:
+    """The padding the chosen batching costs a set of examples of these lengths."""
     waste = padding_fraction(lengths, batch_size, batching, pad_to_multiple_of=pad_to_multiple_of) if lengths else 0
-    return f"{name}: {summary}; batching: {batching}, {waste:.1%} of the batch tokens are padding"
+    return f"batching: {batching}, {waste:.1%} of the batch tokens are padding"

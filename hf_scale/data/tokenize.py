@@ -172,15 +172,18 @@ def _tokenize_batch(
     return rows
 
 
-def check_examples_left(name: str, summary: TokenizationSummary, max_length: int, truncation: str) -> None:
-    """A `DataError` naming max_length when the truncation policy dropped every record of set `name`.
+def check_examples_left(
+    name: str, summary: TokenizationSummary, max_length: int, truncation: str, source: str | None = None
+) -> None:
+    """A `DataError` naming max_length when the truncation policy dropped every record of set `name` (of `source`).
 
     Dropping some records is policy, and counted; dropping all leaves an empty set that fails later, far from
     its cause (an empty batch, an empty evaluation).
     """
     if summary.records and not summary.examples:
+        where = f" in {source}" if source else ""
         raise DataError(
-            f"max_length={max_length} leaves no {name} example: all {summary.records} records dropped "
+            f"max_length={max_length} leaves no {name} example{where}: all {summary.records} records dropped "
             f"({summary.dropped_no_response} because the prompt alone fills max_length, {summary.dropped_too_long} "
             f"too long with truncation={truncation!r}); raise max_length or choose another truncation"
         )

@@ -19,12 +19,14 @@ Every config key is also a flag, and flags win: `--learning_rate 3e-5 --output_d
 """
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.data.arguments import DataArguments
 from hf_scale.data.batching import make_collator
-from hf_scale.data.summary import batching_of, describe_data, render_masked_example
+from hf_scale.data.mixture import describe_draws
+from hf_scale.data.summary import batching_of, describe_batching, render_masked_example
 from hf_scale.evaluation import GenerationEval
 from hf_scale.modeling import ModelArguments, load_model
 from hf_scale.plotting import plot_learning_rate, plot_loss_curve
@@ -39,17 +41,17 @@ def main(argv: list[str]) -> dict:
     )
     args = prepare_run(args)  # zero_preset auto planned, output_dir writable, the checkpoint to resume there
 
-    # 2. Data and tokenizer: Alpaca records, each one checked, a held-out split; labels on the response and EOS.
+    # 2. Data and tokenizer: Alpaca records or conversations, each one checked, a held-out split; labels on the
+    #    responses and their end of turn only; several datasets mixed by weight.
     data = prepare_data(model_args, data_args, args)
     model_path, tokenizer, train_dataset = data.model_path, data.tokenizer, data.train_dataset
 
     # 3. Model and trainer; every evaluation also answers held-out records greedily (exact match, token F1).
     model = load_model(model_args, model_path, tokenizer)
-    exact_match_records = data.eval_records[: data_args.exact_match_samples]
     generation_eval = None
-    if exact_match_records:
+    if data.held_out:
         generation_eval = GenerationEval(
-            exact_match_records, data.template, data_args.max_new_tokens, batch_size=args.per_device_eval_batch_size
+            data.held_out, data.template, data_args.max_new_tokens, batch_size=args.per_device_eval_batch_size
         )
     trainer = ScaleTrainer(
         model=model,
@@ -62,19 +64,29 @@ def main(argv: list[str]) -> dict:
     )
     say = print if trainer.is_world_process_zero() else (lambda *_, **__: None)
     say(f"model: {model_path} ({model.num_parameters() / 1e6:.2f}M parameters)")
-    for record_check in data.record_checks:
-        say(record_check)
     batching = batching_of(data_args.packing, args.train_sampling_strategy)
-    for name, summary, dataset in (
-        ("train", data.train_summary, train_dataset),
-        ("eval", data.eval_summary, data.eval_dataset),
-    ):
-        lengths = [len(ids) for ids in dataset["input_ids"]]
-        say(
-            describe_data(
-                name, summary, lengths, args.per_device_train_batch_size, batching, data_args.pad_to_multiple_of
-            )
+    padding = {
+        name: describe_batching(
+            [len(ids) for ids in dataset["input_ids"]],
+            args.per_device_train_batch_size,
+            batching,
+            data_args.pad_to_multiple_of,
         )
+        for name, dataset in (("train", train_dataset), ("eval", data.eval_dataset))
+    }
+    mixed = len(data.sources) > 1
+    for source in data.sources:
+        for record_check in source.record_checks:
+            say(record_check)
+        of = f" from {source.source.name}" if mixed else ""
+        for name, summary in (("train", source.train_summary), ("eval", source.eval_summary)):
+            say(f"{name}{of}: {summary}" + ("" if mixed else f"; {padding[name]}"))
+    if mixed:
+        examples = [len(source.train_dataset) for source in data.sources]
+        names = [source.source.name for source in data.sources]
+        say(describe_draws(names, examples, data.drawn, data_args.mixture, args.seed))
+        say(f"train: {len(train_dataset)} examples; {padding['train']}")
+        say(f"eval: {len(data.eval_dataset)} examples; {padding['eval']}")
     say("one training example as the model sees it (trained-on spans in ⟦ ⟧):")
     say(render_masked_example(tokenizer, train_dataset[0]["input_ids"], train_dataset[0]["labels"]))
 
@@ -95,9 +107,9 @@ def main(argv: list[str]) -> dict:
         "model": model_path,
         "effective_batch_size": args.effective_batch_size,
         "world_size": args.world_size,
-        "train_examples": data.train_summary.examples,
-        "eval_examples": data.eval_summary.examples,
-        "exact_match_records": len(exact_match_records),
+        "train_examples": len(train_dataset),
+        "eval_examples": len(data.eval_dataset),
+        "exact_match_records": len(data.held_out),
         **before,
         **train_result.metrics,
         **after,
@@ -105,14 +117,19 @@ def main(argv: list[str]) -> dict:
     if trainer.is_world_process_zero():
         output_dir = Path(args.output_dir)
         (output_dir / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
+        run_config = {"model": asdict(model_args), "data": asdict(data_args), "training": args.to_sanitized_dict()}
+        (output_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str) + "\n")
         plot_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png")
         plot_learning_rate(trainer.state.log_history, output_dir / "learning_rate.png")
-        if exact_match_records:
+        if data.held_out:
             say(
                 f"held-out exact match: {before['eval_before_exact_match']:.3f} -> "
-                f"{after['eval_after_exact_match']:.3f} on {len(exact_match_records)} records never seen in training"
+                f"{after['eval_after_exact_match']:.3f} on {len(data.held_out)} records never seen in training"
             )
-        say(f"saved model, tokenizer, metrics.json, loss_curve.png and learning_rate.png to {output_dir}")
+        say(
+            "saved model, tokenizer, metrics.json, run_config.json, loss_curve.png and learning_rate.png to "
+            f"{output_dir}"
+        )
     trainer.accelerator.end_training()  # the process group ends before the interpreter does
     return results
 

@@ -5,6 +5,9 @@ a fixed distance from the digits it depends on, which a 2-layer model finds quic
 numbers is held out: the eval split asks about numbers the model never saw in training, so exact match on
 it measures learning, not memory. Every task is worded in English and in Chinese; some put the number in
 `input`, some in the instruction itself (an empty `input`), as real Alpaca data does.
+
+`generate_conversation_tasks` makes two-turn conversations of the same kind whose second question ("now add one
+to that") can only be answered from the first answer: a model that scores on the second turn uses the history.
 """
 
 from __future__ import annotations
@@ -57,4 +60,42 @@ def generate_tasks() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     train, held_out = _records_for(train_numbers), _records_for(held_out_numbers)
     random.Random(TASK_SEED + 1).shuffle(train)
     random.Random(TASK_SEED + 2).shuffle(held_out)
+    return train, held_out
+
+
+# The follow-up questions of a conversation (English, Chinese) and what each adds to the previous answer.
+FOLLOW_UPS: dict[str, tuple[tuple[str, str], int]] = {
+    "add_one_more": (("Now add one to that.", "再加一。"), 1),
+    "subtract_one_more": (("Now subtract one from that.", "再减一。"), -1),
+}
+
+
+def _conversations_for(numbers: list[int]) -> list[list[dict[str, str]]]:
+    conversations = []
+    for task in ("plus_one_question", "minus_one_question"):
+        wordings, _, offset = TASKS[task]
+        for (follow_ups, follow_offset), n in ((follow_up, n) for follow_up in FOLLOW_UPS.values() for n in numbers):
+            first, second = n + offset, n + offset + follow_offset
+            if not (first in NUMBER_RANGE and second in NUMBER_RANGE):
+                continue  # every answer stays three digits wide
+            for wording, follow_up in zip(wordings, follow_ups, strict=True):  # one language per conversation
+                conversations.append(
+                    [
+                        {"role": "user", "content": wording.format(n=n)},
+                        {"role": "assistant", "content": str(first)},
+                        {"role": "user", "content": follow_up},
+                        {"role": "assistant", "content": str(second)},
+                    ]
+                )
+    return conversations
+
+
+def generate_conversation_tasks() -> tuple[list[list[dict[str, str]]], list[list[dict[str, str]]]]:
+    """Return (train conversations, held-out conversations), each two user/assistant turns in the normal form
+    (`{"role": ..., "content": ...}`). The held-out conversations use only numbers no train conversation mentions.
+    """
+    train_numbers, held_out_numbers = split_numbers()
+    train, held_out = _conversations_for(train_numbers), _conversations_for(held_out_numbers)
+    random.Random(TASK_SEED + 3).shuffle(train)
+    random.Random(TASK_SEED + 4).shuffle(held_out)
     return train, held_out

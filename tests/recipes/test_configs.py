@@ -24,7 +24,7 @@ def test_shipped_configs_are_valid(config):
     values = check_config(parser, ["--config", str(config)])
     assert values["template"] in TEMPLATES
     assert values["zero_preset"] is None or values["zero_preset"] in list_presets()
-    if config.name != "tiny_cpu.yaml":
+    if not config.name.startswith("tiny_"):  # the embedded CPU defaults name no model or dataset
         assert values["model_name_or_path"].startswith("meta-llama/Llama-2-")
         assert values["dataset"] == "silk-road/alpaca-data-gpt4-chinese"
         assert values["bf16"] is True and values["lr_scheduler_type"] == "cosine" and values["warmup_steps"] > 0
@@ -95,3 +95,14 @@ def test_accelerate_configs_load(config):
 
 def test_tiny_config_is_the_default():
     assert load_yaml_config("tiny_cpu").get("model_name_or_path") is None
+
+
+def test_tiny_chat_config_is_the_default_in_conversations():
+    """tiny_chat_cpu differs from tiny_cpu only in its data: the generated conversations in the LLaMA-2 chat format."""
+    chat, single = load_yaml_config("tiny_chat_cpu"), load_yaml_config("tiny_cpu")
+    assert {key for key in chat.keys() | single.keys() if chat.get(key) != single.get(key)} == {
+        "data_format",
+        "template",
+        "output_dir",
+    }
+    assert (chat["data_format"], chat["template"]) == ("messages", "llama2_chat")

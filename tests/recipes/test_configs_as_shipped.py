@@ -3,9 +3,9 @@
 Only what a CPU machine cannot hold is shrunk (tests/recipes/launch.py): the model, the data (the shared English or
 Chinese Alpaca set), step counts, batch and process counts, and the held-out records answered greedily. Precision,
 presets, LoRA, gradient checkpointing, schedules, learning rates and report_to stay as the file says; the
-tensorboard of report_to is installed with the package. tiny_cpu.yaml and search_tiny_cpu.yaml are the recipes'
-defaults, run as shipped by tests/recipes/test_finetune_llama2.py and tests/hpo/test_recipe.py. The README's other
-launchers for the same configs (torchrun, DeepSpeed's) run in tests/test_readme.py.
+tensorboard of report_to is installed with the package. tiny_cpu.yaml, tiny_chat_cpu.yaml and search_tiny_cpu.yaml
+are the recipes' CPU defaults, run as shipped by tests/recipes/test_finetune_llama2.py and tests/hpo/test_recipe.py.
+The README's other launchers for the same configs (torchrun, DeepSpeed's) run in tests/test_readme.py.
 """
 
 import json
@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent"),
 ]
-DEFAULTS = ("tiny_cpu.yaml", "search_tiny_cpu.yaml")
+DEFAULTS = ("tiny_cpu.yaml", "tiny_chat_cpu.yaml", "search_tiny_cpu.yaml")
 # config -> the shared set it trains on: both languages are covered
 DATA = {
     "llama2_7b_4xa100_zero1.yaml": "alpaca_en_demo.json",

@@ -39,3 +39,21 @@ def test_answers_are_right():
 
 def test_generation_is_deterministic():
     assert generate_tasks() == generate_tasks()
+
+
+def test_conversations_ask_only_held_out_numbers_and_the_second_answer_follows_the_first():
+    from hf_scale.tiny.tasks import FOLLOW_UPS, generate_conversation_tasks
+
+    train, held_out = generate_conversation_tasks()
+    asked = [{int(n) for n in re.findall(r"\d+", turns[0]["content"])} for turns in held_out]
+    seen = set().union(*({int(n) for n in re.findall(r"\d+", turns[0]["content"])} for turns in train))
+    assert held_out and not seen & set().union(*asked)
+    offsets = {wording: offset for wordings, offset in FOLLOW_UPS.values() for wording in wordings}
+    for turns in train + held_out:
+        assert [turn["role"] for turn in turns] == ["user", "assistant", "user", "assistant"]
+        (n,) = map(int, re.findall(r"\d+", turns[0]["content"]))
+        first, second = int(turns[1]["content"]), int(turns[3]["content"])
+        assert abs(first - n) == 1 and second == first + offsets[turns[2]["content"]]
+    chinese = [turns for turns in train if re.search(r"[\u4e00-\u9fff]", turns[0]["content"])]
+    assert chinese and all(re.search(r"[\u4e00-\u9fff]", turns[2]["content"]) for turns in chinese)  # one language
+    assert generate_conversation_tasks() == (train, held_out)

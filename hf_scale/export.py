@@ -1,0 +1,367 @@
+"""`hf-scale export RUN_DIR OUT`: a run as a plain HF folder that loads without hf_scale.
+
+OUT holds config.json, safetensors weights, generation_config.json, the tokenizer with the run's chat template and
+a README.md model card (training configuration and metrics from run_config.json and metrics.json). A LoRA run is
+merged into its base with `--merge-lora`; without it the adapter is copied as is (loading it needs peft and the
+base). A DeepSpeed ZeRO checkpoint saved without consolidated weights (`stage3_gather_16bit_weights_on_model_save`
+off in a hand-written config) is consolidated with DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`.
+
+OUT is written into a temporary folder beside it and renamed at the end, so a failed export leaves no half folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from hf_scale.data.loading import looks_like_local_path
+from hf_scale.errors import ConfigError
+from hf_scale.modeling import PICKLE_FILES, SAFETENSORS_FILES, check_model_is_safe
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The message the model card's loading example sends (tests run that example as written).
+CARD_EXAMPLE_MESSAGE = "What is 417 plus one?"
+
+
+def run_kind(run_dir: Path) -> str:
+    """What `run_dir` holds: "model" (config + safetensors), "adapter" (PEFT) or "zero" (a DeepSpeed ZeRO checkpoint
+    without consolidated weights); a `ConfigError` naming the folder and what is missing otherwise."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such folder")
+    if not any((run_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{run_dir}: no tokenizer (tokenizer.json or tokenizer_config.json) to export with the model")
+    if (run_dir / "adapter_config.json").is_file():
+        if not (run_dir / ADAPTER_WEIGHTS).is_file():
+            raise ConfigError(f"{run_dir}: adapter_config.json but no {ADAPTER_WEIGHTS}")
+        return "adapter"
+    if (run_dir / "config.json").is_file():
+        if any((run_dir / name).is_file() for name in SAFETENSORS_FILES):
+            return "model"
+        pickles = [name for name in PICKLE_FILES if (run_dir / name).is_file()]
+        if pickles:  # unpickling can run code planted in the file: convert it knowingly, not as a side effect
+            raise ConfigError(
+                f"{run_dir}: only pickle weights ({', '.join(pickles)}); export reads safetensors only: load the "
+                "folder yourself if you trust it and save_pretrained it (transformers writes safetensors)"
+            )
+        if zero_checkpoint_tag(run_dir):
+            return "zero"
+    raise ConfigError(
+        f"{run_dir}: neither a model (config.json and model.safetensors), a PEFT adapter (adapter_config.json and "
+        f"{ADAPTER_WEIGHTS}) nor a DeepSpeed ZeRO checkpoint (config.json, latest, global_stepN/); give a run's "
+        "output_dir or one of its checkpoint-N folders"
+    )
+
+
+def zero_checkpoint_tag(run_dir: Path) -> str | None:
+    """The tag (`global_stepN`) named by `latest` when its folder holds ZeRO model states, else None."""
+    latest = run_dir / "latest"
+    if not latest.is_file():
+        return None
+    tag = latest.read_text(encoding="utf-8").strip()
+    return tag if tag and any((run_dir / tag).glob("*_model_states.pt")) else None
+
+
+def check_out(out: Path) -> None:
+    """OUT must not exist, or be an empty folder: an export never overwrites."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is a file: give a new folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty: hf-scale export does not overwrite, give a new folder")
+
+
+def adapter_base(run_dir: Path) -> str:
+    """The base model an adapter's config names; a local base must exist (checked before any loading)."""
+    config = json.loads((run_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{run_dir}/adapter_config.json names no base model (base_model_name_or_path)")
+    if looks_like_local_path(base) and not Path(base).expanduser().is_dir():
+        raise ConfigError(f"{run_dir}: the base model its adapter names is not there: {base}")
+    return base
+
+
+def load_causal_lm(name: str | Path, dtype: str) -> PreTrainedModel:
+    """A model folder or hub id, safetensors only, no remote code; `ConfigError` when it cannot be loaded."""
+    check_model_is_safe(str(name))
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], use_safetensors=True)
+    except OSError as error:
+        raise ConfigError(f"cannot load the model {name}: {error}") from error
+
+
+def merge_adapter(run_dir: Path, base: str, dtype: str) -> PreTrainedModel:
+    """The base with the run's LoRA adapter merged in, in the base's dtype (or `dtype`)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_causal_lm(base, dtype), run_dir)
+    return model.merge_and_unload()
+
+
+def consolidate_zero_checkpoint(run_dir: Path, dtype: str) -> PreTrainedModel:
+    """The model of config.json with the fp32 weights DeepSpeed gathers from the checkpoint's ZeRO shards.
+
+    DeepSpeed reads its shards with `torch.load(weights_only=False)`: export only checkpoints you trust.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    config = AutoConfig.from_pretrained(run_dir)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(run_dir))
+    # "auto": the dtype the model was trained in (config.json), not the fp32 of the optimizer's master copy.
+    target = (getattr(config, "dtype", None) or torch.float32) if dtype == "auto" else DTYPES[dtype]
+    model = AutoModelForCausalLM.from_config(config, dtype=target)
+    model.load_state_dict(state_dict)  # strict: a checkpoint of another model fails here, naming the keys
+    return model
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _set(value) -> object:
+    """A run_config.json value, None for the "None" that `to_sanitized_dict` writes."""
+    return None if value in (None, "None", "", "[]") else value
+
+
+def training_summary(run_config: dict, metrics: dict | None, state: dict | None) -> list[str]:
+    """The model card's training lines, from run_config.json (with metrics.json and trainer_state.json)."""
+    model, data, training = run_config.get("model", {}), run_config.get("data", {}), run_config.get("training", {})
+    metrics = metrics or {}
+    lines = [f"- model: {_set(model.get('model_name_or_path')) or metrics.get('model') or 'the embedded tiny LLaMA'}"]
+    datasets = _set(data.get("datasets")) or _set(data.get("dataset")) or "the embedded generated tasks"
+    lines.append(
+        f"- data: {datasets} ({data.get('data_format', '?')} format, max_length {data.get('max_length', '?')}, "
+        f"packing {'on' if data.get('packing') else 'off'})"
+    )
+    lines.append(f"- prompt template: {data.get('template', '?')}")
+    if _set(data.get("system_prompt")):
+        lines.append(f"- system prompt: {data['system_prompt']!r}")
+    lr = training.get("learning_rate")
+    lines.append(
+        f"- learning rate: {lr} ({training.get('lr_scheduler_type', '?')} schedule, warmup "
+        f"{training.get('warmup_steps', '?')}, weight decay {training.get('weight_decay', '?')})"
+    )
+    if "effective_batch_size" in metrics:
+        lines.append(
+            f"- effective batch: {metrics['effective_batch_size']} ({training.get('per_device_train_batch_size')} "
+            f"per device x {metrics.get('world_size', '?')} process(es) x "
+            f"{training.get('gradient_accumulation_steps')} accumulation steps)"
+        )
+    else:
+        lines.append(
+            f"- batch: {training.get('per_device_train_batch_size')} per device x "
+            f"{training.get('gradient_accumulation_steps')} accumulation steps"
+        )
+    max_steps = training.get("max_steps")
+    planned = (
+        f"max_steps {max_steps}" if max_steps and int(max_steps) > 0 else f"{training.get('num_train_epochs')} epochs"
+    )
+    done = f"{state['global_step']} steps, {state.get('epoch') or 0:.3g} epochs; " if state else ""
+    lines.append(f"- training: {done}{planned}")
+    if int(model.get("lora_r") or 0) > 0:
+        lines.append(
+            f"- LoRA: r {model['lora_r']}, alpha {model.get('lora_alpha')}, dropout {model.get('lora_dropout')}, "
+            f"target modules {', '.join(model.get('lora_target_modules') or [])}"
+        )
+    else:
+        lines.append("- full fine-tuning (every weight trained)")
+    precision = (
+        "bf16 mixed precision" if training.get("bf16") else "fp16 mixed precision" if training.get("fp16") else "fp32"
+    )
+    lines.append(f"- precision: {precision}; model loaded with dtype {model.get('dtype', 'auto')}")
+    zero = _set(training.get("zero_preset"))
+    distributed = (
+        f"DeepSpeed preset {zero}" if zero else "custom DeepSpeed config" if _set(training.get("deepspeed")) else "none"
+    )
+    lines.append(f"- ZeRO preset: {distributed}; seed {training.get('seed')}")
+    return lines
+
+
+def metrics_summary(metrics: dict) -> list[str]:
+    """The model card's metric lines: eval loss and held-out exact match before and after training."""
+    lines = []
+    for name, key in (("eval loss", "loss"), ("exact match", "exact_match"), ("token F1", "token_f1")):
+        before, after = metrics.get(f"eval_before_{key}"), metrics.get(f"eval_after_{key}")
+        if before is None and after is None:
+            continue
+        fmt = (lambda v: f"{v:.4g}") if key == "loss" else (lambda v: f"{v:.3f}")
+        shown = " -> ".join(fmt(v) if v is not None else "?" for v in (before, after))
+        lines.append(f"- {name} (before -> after training): {shown}")
+    if metrics.get("exact_match_records"):
+        lines.append(f"- exact match and token F1: greedy answers to {metrics['exact_match_records']} held-out records")
+    if "train_loss" in metrics:
+        lines.append(f"- mean training loss: {metrics['train_loss']:.4g}")
+    return lines
+
+
+def loading_example(out: Path, adapter: bool) -> str:
+    """Python that loads OUT and answers one message through the chat template."""
+    if adapter:
+        load = (
+            "from peft import AutoPeftModelForCausalLM\n"
+            "from transformers import AutoTokenizer\n\n"
+            "# The base model named in adapter_config.json is loaded too.\n"
+            f'model = AutoPeftModelForCausalLM.from_pretrained("{out}")\n'
+        )
+    else:
+        load = (
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
+        )
+    return (
+        f"{load}"
+        f'tokenizer = AutoTokenizer.from_pretrained("{out}")\n'
+        f'messages = [{{"role": "user", "content": "{CARD_EXAMPLE_MESSAGE}"}}]\n'
+        "# The chat template writes the prompt as in training, BOS included.\n"
+        "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, "
+        'return_tensors="pt")\n'
+        "output = model.generate(**inputs, max_new_tokens=64, do_sample=False)\n"
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))\n'
+    )
+
+
+def model_card(
+    run_dir: Path, out: Path, *, adapter: bool, merged: bool, base: str | None, dtype: str, chat_template: str | None
+) -> str:
+    """README.md: YAML front matter as on the hub, then what was trained, how well, and how to load it."""
+    run_config = read_json(run_dir / "run_config.json")
+    metrics = read_json(run_dir / "metrics.json")
+    state = read_json(run_dir / "trainer_state.json")
+    hub_base = base if base and not looks_like_local_path(base) and not Path(base).exists() else None
+    front = ["---", f"library_name: {'peft' if adapter else 'transformers'}", "pipeline_tag: text-generation"]
+    if hub_base:
+        front.append(f"base_model: {hub_base}")
+    tags = ["hf-scale", "instruction-tuned", *(["lora"] if adapter or merged else [])]
+    front += ["tags:", *(f"- {tag}" for tag in tags), "---", ""]
+    what = (
+        "a LoRA adapter (not merged: loading it needs peft and the base model)"
+        if adapter
+        else "a LoRA fine-tune merged into its base model"
+        if merged
+        else "a fine-tuned model"
+    )
+    lines = [
+        f"# {out.name}",
+        "",
+        f"Exported by `hf-scale export` from `{run_dir}`: {what}" + ("." if adapter else f", weights in {dtype}."),
+    ]
+    if base:
+        lines.append(f"Base model: `{base}`.")
+    lines += ["", "## Training", ""]
+    if run_config:
+        lines += training_summary(run_config, metrics, state)
+    else:
+        step = f" (a checkpoint at step {state['global_step']})" if state and "global_step" in state else ""
+        lines.append(f"No run_config.json in `{run_dir}`{step}: the training configuration is not known.")
+    lines += ["", "## Evaluation", ""]
+    shown = metrics_summary(metrics) if metrics else []
+    lines += shown or [f"No metrics.json in `{run_dir}` (a checkpoint folder has none): no evaluation to report."]
+    lines += ["", "## Use", ""]
+    if adapter:
+        lines += [f"Needs `peft` and the base model `{base}` (export with `--merge-lora` for a plain model).", ""]
+    else:
+        lines += ["Plain transformers, nothing else needed:", ""]
+    lines += ["```python", loading_example(out, adapter).rstrip(), "```", ""]
+    if chat_template:
+        lines += [
+            "The chat template (`chat_template.jinja`) writes prompts as they were written in training; "
+            "`apply_chat_template` uses it:",
+            "",
+            "```jinja",
+            chat_template.strip(),
+            "```",
+        ]
+    else:
+        lines.append("The tokenizer has no chat template: write prompts as the run's template did.")
+    return "\n".join(front + lines) + "\n"
+
+
+def _with_pad_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    # As in training (hf_scale.modeling.load_model): a base without a pad token (LLaMA-2) pads with the tokenizer's.
+    if model.config.pad_token_id is None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.use_cache = True  # training turns the KV cache off in the config; generation wants it
+    return model
+
+
+def _size(folder: Path) -> str:
+    total = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    return f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**20:.1f} MiB"
+
+
+def export_run(
+    run_dir: str | os.PathLike, out: str | os.PathLike, merge_lora: bool = False, dtype: str = "auto"
+) -> Path:
+    """Write the run in `run_dir` to the new folder `out` as a plain HF folder (see the module docstring)."""
+    run_dir, out = Path(run_dir), Path(out)
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    kind = run_kind(run_dir)
+    check_out(out)
+    base = adapter_base(run_dir) if kind == "adapter" else None
+    copy_adapter = kind == "adapter" and not merge_lora
+    if copy_adapter and dtype != "auto":
+        raise ConfigError(f"--dtype {dtype} converts a model; {run_dir} holds a LoRA adapter: add --merge-lora")
+    if merge_lora and kind != "adapter":
+        print(f"note: {run_dir} holds a full model, not a LoRA adapter: --merge-lora has nothing to merge")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(run_dir)
+        if copy_adapter:
+            for name in ("adapter_config.json", ADAPTER_WEIGHTS):
+                shutil.copy2(run_dir / name, staging / name)
+            saved_dtype = "adapter weights as saved"
+        else:
+            if kind == "adapter":
+                model = merge_adapter(run_dir, base, dtype)
+            elif kind == "zero":
+                model = consolidate_zero_checkpoint(run_dir, dtype)
+            else:
+                model = load_causal_lm(run_dir, dtype)
+            _with_pad_token(model, tokenizer).save_pretrained(staging)
+            saved_dtype = str(model.dtype).removeprefix("torch.")
+        tokenizer.save_pretrained(staging)
+        card = model_card(
+            run_dir,
+            out,
+            adapter=copy_adapter,
+            merged=kind == "adapter" and merge_lora,
+            base=base,
+            dtype=saved_dtype,
+            chat_template=tokenizer.chat_template,
+        )
+        (staging / "README.md").write_text(card, encoding="utf-8")
+        if out.is_dir():
+            out.rmdir()  # empty (check_out): replaced by the finished folder
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+    how = {
+        "model": "full model",
+        "zero": "full model consolidated from the DeepSpeed ZeRO checkpoint",
+        "adapter": "LoRA merged into its base" if merge_lora else "LoRA adapter, not merged",
+    }[kind]
+    print(f"exported {run_dir} to {out}: {how}, {saved_dtype}, weights {_size(out)}")
+    print("wrote " + ", ".join(sorted(path.name for path in out.iterdir())))
+    if copy_adapter:
+        print(
+            f"note: loading it needs peft and the base model {base}; add --merge-lora for a folder that plain "
+            "transformers loads"
+        )
+    else:
+        print(f'load it with AutoModelForCausalLM.from_pretrained("{out}") and AutoTokenizer.from_pretrained("{out}")')
+    return out
