@@ -27,6 +27,7 @@ PLAN_EXAMPLES = """examples:
   hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4
   hf-scale plan --model meta-llama/Llama-2-70b-hf --gpu a100-80g --gpus 8 --nodes 2 --seq-len 2048 --grad-ckpt
   hf-scale plan --model meta-llama/Llama-2-13b-hf --gpu rtx4090-24g --gpus 4 --micro-batch 1 --lora-r 16 --json
+  hf-scale plan --model meta-llama/Llama-2-70b-hf --gpu rtx4090-24g --lora-r 16 --quantization nf4 --grad-ckpt
   (--model also takes a hub id or a local folder with a config.json)
 """
 
@@ -116,6 +117,7 @@ def plan_command(options: argparse.Namespace) -> None:
         micro_batch=options.micro_batch,
         gradient_checkpointing=options.grad_ckpt,
         lora_r=options.lora_r,
+        quantization=options.quantization,
     )
     result = plan(model_shape(options.model), workload)
     summary = {
@@ -241,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--seq-len", type=int, default=512)
     plan_parser.add_argument("--micro-batch", type=int, default=1, help="per-GPU batch")
     plan_parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
-    plan_parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank for the LoRA row")
+    plan_parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank for the LoRA and QLoRA rows")
+    plan_parser.add_argument(
+        "--quantization", choices=["nf4", "fp4", "int8"], default="nf4", help="the QLoRA row's quantized base"
+    )
     plan_parser.add_argument("--json", action="store_true", help="machine-readable output")
     plan_parser.set_defaults(run=plan_command)
 

@@ -2,15 +2,17 @@
 
 OUT holds config.json, safetensors weights, generation_config.json, the tokenizer with the run's chat template and
 a README.md model card (training configuration and metrics from run_config.json and metrics.json). A LoRA run is
-merged into its base with `--merge-lora`; without it the adapter is copied as is (loading it needs peft and the
-base). A DeepSpeed ZeRO checkpoint saved without consolidated weights (`stage3_gather_16bit_weights_on_model_save`
-off in a hand-written config) is consolidated with DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`.
+merged into its base with `--merge-lora` (a QLoRA adapter into its base as quantized, then dequantized); without it
+the adapter is copied as is (loading it needs peft and the base). A DeepSpeed ZeRO checkpoint saved without
+consolidated weights (`stage3_gather_16bit_weights_on_model_save` off in a hand-written config) is consolidated
+with DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`.
 
 OUT is written into a temporary folder beside it and renamed at the end, so a failed export leaves no half folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from hf_scale.data.loading import looks_like_local_path
 from hf_scale.errors import ConfigError
-from hf_scale.modeling import PICKLE_FILES, SAFETENSORS_FILES, check_model_is_safe
+from hf_scale.modeling import PICKLE_FILES, SAFETENSORS_FILES, ModelArguments, check_model_is_safe, quantization_config
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -97,12 +99,39 @@ def load_causal_lm(name: str | Path, dtype: str) -> PreTrainedModel:
         raise ConfigError(f"cannot load the model {name}: {error}") from error
 
 
+def trained_quantization(run_dir: Path) -> ModelArguments | None:
+    """The model arguments of a QLoRA run (run_config.json beside the adapter or one folder up), else None."""
+    for folder in (run_dir, run_dir.parent):
+        settings = (read_json(folder / "run_config.json") or {}).get("model")
+        if isinstance(settings, dict):
+            if settings.get("quantization") in (None, "None"):
+                return None
+            known = {f.name for f in dataclasses.fields(ModelArguments)}
+            return ModelArguments(**{key: value for key, value in settings.items() if key in known})
+    return None
+
+
 def merge_adapter(run_dir: Path, base: str, dtype: str) -> PreTrainedModel:
-    """The base with the run's LoRA adapter merged in, in the base's dtype (or `dtype`)."""
+    """The base with the run's LoRA adapter merged in, in the base's dtype (or `dtype`).
+
+    A QLoRA adapter was trained on the quantized base, not on the original weights: the base is quantized as the
+    run loaded it and dequantized (transformers' `dequantize`), so the merged weights are the ones it trained on.
+    """
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(load_causal_lm(base, dtype), run_dir)
-    return model.merge_and_unload()
+    quantized = trained_quantization(run_dir)
+    if quantized is None:
+        base_model = load_causal_lm(base, dtype)
+    else:
+        check_model_is_safe(base)
+        base_model = AutoModelForCausalLM.from_pretrained(
+            base,
+            dtype=DTYPES[dtype],
+            quantization_config=quantization_config(quantized),
+            device_map={"": "cpu"},
+            use_safetensors=True,
+        ).dequantize()  # before any forward: on CPU, bitsandbytes re-packs the weights at the first one
+    return PeftModel.from_pretrained(base_model, run_dir).merge_and_unload()
 
 
 def consolidate_zero_checkpoint(run_dir: Path, dtype: str) -> PreTrainedModel:

@@ -13,10 +13,18 @@ fused attention kernel (no attention matrix kept), in bf16, plus the fp32 logits
 gradient checkpointing only each layer's input is kept, plus one layer recomputed at a time. Framework
 overhead is 1 GiB (CUDA context, NCCL buffers) plus DeepSpeed's communication buckets. A strategy fits
 when its total stays under 90 % of the GPU's memory.
+
+LoRA keeps the base in 16 bits and trains fp32 adapters (weights, gradients, two Adam moments). QLoRA keeps the
+projections as bitsandbytes stores them (`quantized_linear_bytes`: 4-bit codes, one constant per block of 64
+weights, 8-bit with double quantization, and each tensor's code tables) and, after peft's
+`prepare_model_for_kbit_training`, the rest of the base (embeddings, norms, LM head) in fp32; while a projection
+computes, its weight is dequantized into a compute-dtype copy (counted as the largest one, twice: forward and
+its backward).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -26,7 +34,10 @@ Accounting = Literal["deepspeed", "paper"]
 # Fastest first: the planner recommends the first of these that fits (LoRA is offered separately: it trains
 # a different model).
 SPEED_ORDER = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
-STRATEGIES = (*SPEED_ORDER, "lora")
+STRATEGIES = (*SPEED_ORDER, "lora", "qlora")
+ADAPTER_STRATEGIES = ("lora", "qlora")
+QUANTIZATION_BLOCK = 64  # bitsandbytes' 4-bit block: one constant per 64 weights
+NESTED_BLOCK = 256  # double quantization: the constants quantized in blocks of 256
 HEADROOM = 0.9
 CONTEXT_BYTES = 1 * GIB
 ALLGATHER_BUCKET_ELEMENTS = 2e8  # the zero2 presets' allgather_bucket_size
@@ -52,9 +63,11 @@ class ModelShape:
         """The biggest single weight: the embedding or the LM head (vocab x hidden)."""
         return max(self.vocab * self.hidden, self.hidden * self.intermediate)
 
-    def lora_parameters(self, rank: int, targets: tuple[str, ...]) -> int:
+    @property
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one block."""
         kv = self.hidden // self.heads * self.kv_heads
-        shapes = {
+        return {
             "q_proj": (self.hidden, self.hidden),
             "k_proj": (self.hidden, kv),
             "v_proj": (self.hidden, kv),
@@ -63,7 +76,9 @@ class ModelShape:
             "up_proj": (self.hidden, self.intermediate),
             "down_proj": (self.intermediate, self.hidden),
         }
-        return self.layers * sum(rank * sum(shapes[t]) for t in targets if t in shapes)
+
+    def lora_parameters(self, rank: int, targets: tuple[str, ...]) -> int:
+        return self.layers * sum(rank * sum(self.projections[t]) for t in targets if t in self.projections)
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,8 @@ class Workload:
     gradient_checkpointing: bool = False
     lora_r: int = 16
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    quantization: str = "nf4"  # the qlora row's base: nf4, fp4 or int8
+    double_quantization: bool = True
     inter_node: str = "infiniband"
 
     @property
@@ -147,6 +164,32 @@ def model_states(strategy: str, parameters: float, gpus: int, largest_layer: flo
     raise ValueError(f"no model-state formula for {strategy!r}")
 
 
+def quantized_linear_bytes(in_features: int, out_features: int, quantization: str, double: bool = True) -> int:
+    """Bytes bitsandbytes stores for one quantized weight of `out_features` x `in_features`, constants included.
+
+    4-bit (nf4, fp4): two weights a byte; one absmax per block of 64 weights, fp32, or with double quantization
+    8-bit with an fp32 absmax per 256 of those, an fp32 offset and the 256-entry fp32 code of the nested
+    quantization; the 16-entry fp32 code of the 4-bit type. int8 (LLM.int8): a byte a weight and an fp32 scale a row.
+    """
+    weights = in_features * out_features
+    if quantization == "int8":
+        return weights + 4 * out_features
+    if quantization not in ("nf4", "fp4"):
+        raise ValueError(f"unknown quantization {quantization!r}; known: nf4, fp4, int8")
+    blocks = math.ceil(weights / QUANTIZATION_BLOCK)
+    constants = blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 4 + 4 * 256 if double else 4 * blocks
+    return math.ceil(weights / 2) + constants + 4 * 16
+
+
+def quantized_base_bytes(shape: ModelShape, quantization: str, double: bool = True) -> float:
+    """The whole base as a QLoRA run holds it: the projections quantized, everything else in fp32."""
+    quantized = shape.layers * sum(
+        quantized_linear_bytes(i, o, quantization, double) for i, o in shape.projections.values()
+    )
+    linear_weights = shape.layers * sum(i * o for i, o in shape.projections.values())
+    return quantized + 4 * (shape.parameters - linear_weights)
+
+
 def activation_bytes(shape: ModelShape, workload: Workload) -> float:
     """Activations kept for the backward pass, per GPU, for one micro-batch."""
     tokens = workload.seq_len * workload.micro_batch
@@ -176,9 +219,14 @@ def estimate(shape: ModelShape, workload: Workload, strategy: str, accounting: A
     elif strategy == "zero3_offload":
         params, grads, optim, gather = 0.0, 0.0, 0.0, 4 * largest
         cpu = p * 18 / workload.nodes * OFFLOAD_BUFFER_FACTOR
-    elif strategy == "lora":
+    elif strategy in ADAPTER_STRATEGIES:
         trainable = shape.lora_parameters(workload.lora_r, workload.lora_targets)
-        params, grads, optim = 2 * p + 4 * trainable, 4 * trainable, 8 * trainable
+        grads, optim = 4 * trainable, 8 * trainable
+        if strategy == "lora":
+            params = 2 * p + 4 * trainable
+        else:
+            params = quantized_base_bytes(shape, workload.quantization, workload.double_quantization) + 4 * trainable
+            gather = 2 * 2 * max(i * o for i, o in shape.projections.values())  # dequantized weight, fwd and bwd
     else:
         raise ValueError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     result = StrategyEstimate(
@@ -200,7 +248,7 @@ def _add_step_times(result: StrategyEstimate, shape: ModelShape, workload: Workl
     """Bytes each GPU moves per optimizer step and the time they take, beside the compute time."""
     p, n = float(shape.parameters), workload.gpus
     ring = 2 * (n - 1) / n if n > 1 else 0.0  # a ring all-reduce sends this many times the buffer
-    if result.strategy == "lora":
+    if result.strategy in ADAPTER_STRATEGIES:
         network = ring * 4 * shape.lora_parameters(workload.lora_r, workload.lora_targets)
     elif result.strategy.startswith("zero3"):
         network = 1.5 * ring * 2 * p  # two all-gathers of the parameters and one reduce-scatter of gradients
@@ -216,7 +264,7 @@ def _add_step_times(result: StrategyEstimate, shape: ModelShape, workload: Workl
     result.communication_seconds = network / (bandwidth * 1e9) + host / (PCIE_GBS * 1e9)
     tokens = workload.seq_len * workload.micro_batch
     flops_per_token = (8 if workload.gradient_checkpointing else 6) * p
-    if result.strategy == "lora":
+    if result.strategy in ADAPTER_STRATEGIES:
         flops_per_token = (6 if workload.gradient_checkpointing else 4) * p  # no weight gradients for the base
     result.compute_seconds = flops_per_token * tokens / (workload.gpu.bf16_tflops * 1e12)
 
@@ -247,6 +295,8 @@ def _advice(shape: ModelShape, workload: Workload, estimates, accounting: Accoun
             break
     if estimates["lora"].fits:
         advice.append(f"LoRA (r={workload.lora_r}) fits: set lora_r")
+    elif estimates["qlora"].fits:
+        advice.append(f"QLoRA (r={workload.lora_r}, {workload.quantization}) fits: set lora_r and quantization")
     if not workload.gradient_checkpointing and fits(replace(workload, gradient_checkpointing=True)):
         advice.append("gradient checkpointing makes a strategy fit: set gradient_checkpointing")
     if workload.seq_len > 256 and fits(replace(workload, seq_len=workload.seq_len // 2, micro_batch=1)):

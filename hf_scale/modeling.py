@@ -3,6 +3,7 @@
 No `from __future__ import annotations` here: `HfArgumentParser` reads the field types at run time.
 """
 
+import importlib.util
 import json
 import pickle
 import re
@@ -10,7 +11,15 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+import torch
+from accelerate import PartialState
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from hf_scale.data.loading import looks_like_local_path
 from hf_scale.errors import ConfigError
@@ -18,6 +27,8 @@ from hf_scale.errors import ConfigError
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")  # unpickling can run code planted in them
 WEIGHT_FILES = (*SAFETENSORS_FILES, *PICKLE_FILES)
+QUANTIZATIONS = ("nf4", "fp4", "int8")
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -45,6 +56,22 @@ class ModelArguments:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         metadata={"help": "Module names that get LoRA adapters."},
     )
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "Load the base quantized by bitsandbytes and train LoRA adapters on it (QLoRA): nf4 (QLoRA's "
+            "4-bit NormalFloat), fp4 or int8. Needs lora_r > 0, data parallelism without ZeRO (each process holds "
+            "its own quantized copy) and `pip install 'hf-scale[qlora]'`. Empty: the base in `dtype`."
+        },
+    )
+    double_quantization: bool = field(
+        default=True,
+        metadata={"help": "4-bit: quantize the quantization constants too (QLoRA's double quantization)."},
+    )
+    quantization_compute_dtype: str = field(
+        default="bfloat16",
+        metadata={"help": "4-bit: the dtype the dequantized weights compute in: bfloat16, float16 or float32."},
+    )
     allow_pickle_weights: bool = field(
         default=False,
         metadata={
@@ -66,8 +93,58 @@ class ModelArguments:
             raise ConfigError(f"dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.lora_r < 0:
             raise ConfigError(f"lora_r must be 0 (full fine-tuning) or a positive rank, got {self.lora_r}")
+        if self.quantization is not None:
+            check_quantization(self)
         if self.model_name_or_path:  # checked while the arguments are parsed: before any work
             check_model_is_safe(self.model_name_or_path, self.allow_pickle_weights, self.trust_remote_code)
+
+
+def check_quantization(args: ModelArguments) -> None:
+    """A quantized base is a frozen base: it needs LoRA adapters to train, and bitsandbytes to load."""
+    if args.quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}")
+    if args.quantization_compute_dtype not in COMPUTE_DTYPES:
+        known = ", ".join(COMPUTE_DTYPES)
+        raise ConfigError(f"quantization_compute_dtype must be one of {known}, got {args.quantization_compute_dtype!r}")
+    if args.lora_r == 0:
+        raise ConfigError(
+            f"quantization: {args.quantization} weights are frozen and cannot be fine-tuned themselves; set lora_r "
+            "(e.g. 16) to train LoRA adapters on the quantized base (QLoRA)"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            f"quantization: {args.quantization} needs bitsandbytes, which is not installed: "
+            "pip install 'hf-scale[qlora]'"
+        )
+
+
+def quantization_config(args: ModelArguments) -> BitsAndBytesConfig | None:
+    """bitsandbytes' settings for `args.quantization`, or None for an unquantized base."""
+    if args.quantization is None:
+        return None
+    if args.quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=args.quantization,
+        bnb_4bit_use_double_quant=args.double_quantization,
+        bnb_4bit_compute_dtype=COMPUTE_DTYPES[args.quantization_compute_dtype],
+    )
+
+
+def keep_4bit_weights_trainable(model: PreTrainedModel) -> None:
+    """Turn off bitsandbytes' CPU inference kernel for the model's 4-bit layers.
+
+    On a CPU with AVX512-BF16, a `Linear4bit` forward in eval mode with an input that needs no gradient (any
+    evaluation) re-packs the weight for that kernel, for good: its constants are rounded to bf16, and gradients
+    no longer reach the layer's input afterwards, so every earlier adapter trains on a wrong gradient with nothing
+    said (tests/test_modeling.py). Training here evaluates between steps; GPUs never take that path.
+    """
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def check_model_path(name: str) -> None:
@@ -137,10 +214,20 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> PreTrainedToke
 def load_model(args: ModelArguments, name: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """The causal LM, told the tokenizer's pad token, wrapped with LoRA adapters when `lora_r` > 0.
 
+    With `quantization` the base is loaded quantized onto this process's device (bitsandbytes quantizes as it
+    loads) and made ready for adapters by peft's `prepare_model_for_kbit_training`: the base frozen, its
+    unquantized weights (embeddings, norms, LM head) in fp32. Gradient checkpointing stays the Trainer's to turn on.
+
     Example:
         model = load_model(ModelArguments(lora_r=16, dtype="bfloat16"), "meta-llama/Llama-2-7b-hf", tokenizer)
+        qlora = load_model(ModelArguments(lora_r=16, quantization="nf4"), "meta-llama/Llama-2-7b-hf", tokenizer)
     """
     check_model_is_safe(name, args.allow_pickle_weights, args.trust_remote_code)
+    quantized = {}
+    if args.quantization is not None:
+        check_quantization(args)
+        # one whole copy per process, on its own device (device_map "auto" would spread it over every GPU)
+        quantized = {"quantization_config": quantization_config(args), "device_map": {"": PartialState().device}}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name,
@@ -148,6 +235,7 @@ def load_model(args: ModelArguments, name: str, tokenizer: PreTrainedTokenizerBa
             attn_implementation=args.attn_implementation,
             use_safetensors=None if args.allow_pickle_weights else True,  # None: safetensors first, then pickle
             trust_remote_code=args.trust_remote_code,
+            **quantized,
         )
     except pickle.UnpicklingError as error:  # torch.load(weights_only=True) met more than tensors
         found = re.search(r"Unsupported global: [^.]*", str(error))  # torch's advice around it is to unpickle anyway
@@ -156,6 +244,11 @@ def load_model(args: ModelArguments, name: str, tokenizer: PreTrainedTokenizerBa
             f"{f' ({found.group(0)})' if found else ''}"
         ) from None
     model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if args.quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        keep_4bit_weights_trainable(model)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if args.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 

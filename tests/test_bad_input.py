@@ -53,6 +53,15 @@ def inputs(tmp_path_factory, tiny_model_dir):
 # (id, YAML config, extra flags, what the one error line must say). {inputs} and {out} are filled in per test.
 CASES = [
     # configs
+    ("quantized base without LoRA", "quantization: nf4", [], r"quantization: nf4 weights are frozen .*set lora_r"),
+    ("int8 base on CPU", "quantization: int8\nlora_r: 8", [], r"quantization: int8 on CPU is refused"),
+    ("unknown quantization", "quantization: nf8\nlora_r: 8", [], r"quantization must be one of nf4, fp4, int8"),
+    (
+        "quantized base under ZeRO-3",
+        "quantization: nf4\nlora_r: 8\nzero_preset: zero3",
+        [],
+        r"quantization: nf4 trains with data parallelism only .* not with zero_preset zero3",
+    ),
     ("unknown key", "lerning_rate: 1e-4", [], r"config file .*bad.yaml: unknown key 'lerning_rate' \(did you mean"),
     ("wrong type", "max_length: long", [], r"config file .*bad.yaml: key 'max_length': invalid int value: 'long'"),
     ("list for one value", "learning_rate: [1e-4, 2e-4]", [], r"key 'learning_rate' takes one value"),

@@ -17,8 +17,10 @@ def test_plan_prints_the_table_and_the_recommendation(capsys):
     )
     out = capsys.readouterr().out
     assert "6.74B parameters on 1 node(s) x 4 a100-80g (80.0 GiB)" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("ddp", "zero", "lora"))}
-    assert set(rows) == {"ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "lora"}
+    rows = {
+        line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("ddp", "zero", "lora", "qlora"))
+    }
+    assert set(rows) == {"ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "lora", "qlora"}
     assert rows["ddp"][8] == "no" and rows["zero2"][8] == "yes"
     assert "recommendation: zero1 (zero_preset: zero1)" in out
 
@@ -29,7 +31,7 @@ def test_plan_json_is_machine_readable(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["model"]["parameters"] == 68_976_648_192
     assert result["recommendation"] is None and result["advice"]
-    assert not any(s["fits"] for name, s in result["strategies"].items() if name != "lora")
+    assert not any(s["fits"] for name, s in result["strategies"].items() if name not in ("lora", "qlora"))
 
 
 def test_bad_input_is_one_clear_line(capsys):
@@ -161,3 +163,22 @@ def test_recipes_copy_gives_the_recipe_to_edit(tmp_path, monkeypatch, capsys):
     assert main(["recipes", "copy", "finetune", "my_finetune.py"]) == 2  # an edited copy is never overwritten
     assert "my_finetune.py exists" in capsys.readouterr().err
     assert (tmp_path / "my_finetune.py").read_text() == "# edited\n"
+
+
+def test_plan_qlora_row_says_what_fits_a_4090_as_the_readme_shows(capsys):
+    """`hf-scale plan ... --lora-r 16 --quantization nf4` for 7B, 13B and 70B on one 4090: the README's QLoRA table."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = re.findall(
+        r"^\| (\d+)B, micro batch (\d) \| ([\d.]+) GiB(, fits|, does not fit|) \| ([\d.]+) GiB, (fits|does not fit)",
+        readme,
+        re.MULTILINE,
+    )
+    assert [row[0] for row in rows] == ["7", "13", "70"]
+    for size, micro_batch, lora_total, lora_fits, qlora_total, qlora_fits in rows:
+        command = f"plan --model meta-llama/Llama-2-{size}b-hf --gpu rtx4090-24g --gpus 1 --seq-len 512 --grad-ckpt"
+        assert main([*command.split(), "--micro-batch", micro_batch, "--lora-r", "16", "--quantization", "nf4"]) == 0
+        printed = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if "lora" in line[:6]}
+        assert printed["qlora"][6] == qlora_total and printed["qlora"][8] == ("yes" if qlora_fits == "fits" else "no")
+        assert printed["lora"][6] == lora_total and (
+            not lora_fits or printed["lora"][8] == ("yes" if lora_fits == ", fits" else "no")
+        )

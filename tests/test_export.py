@@ -140,6 +140,37 @@ def test_merged_lora_export_answers_as_the_adapter_does_without_hf_scale(trained
 
 
 @pytest.mark.slow
+def test_qlora_export_merges_into_the_dequantized_base_it_trained_on(hf_scale_cache, tmp_path):
+    """A QLoRA run's adapter was trained on the NF4 base: the merged weights are that base dequantized plus the
+    adapter's update, not the original weights plus the update."""
+    import bitsandbytes as bnb
+
+    from hf_scale.modeling import ModelArguments, quantization_config
+    from tests.conftest import _train
+
+    flags = ["--lora_r", "8", "--quantization", "nf4", "--max_steps", "20", "--exact_match_samples", "0"]
+    run = _train(tmp_path / "qlora", *flags, "--save_strategy", "no", "--eval_strategy", "no")
+    assert not (run / "model.safetensors").exists() and (run / "adapter_model.safetensors").is_file()
+    out = tmp_path / "merged"
+    assert_succeeded(result := export(run, out, "--merge-lora"))
+    merged = load_file(out / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+
+    base_path = json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    settings = quantization_config(ModelArguments(lora_r=8, quantization="nf4"))
+    quantized = AutoModelForCausalLM.from_pretrained(base_path, quantization_config=settings, device_map={"": "cpu"})
+    q_proj = quantized.model.layers[0].self_attn.q_proj.weight
+    dequantized = bnb.functional.dequantize_4bit(q_proj.data, q_proj.quant_state).float()
+    adapter = load_file(run / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    update = adapter[f"{prefix}.lora_B.weight"] @ adapter[f"{prefix}.lora_A.weight"] * (16 / 8)  # alpha / r
+    assert update.abs().max() > 1e-4  # the adapter trained
+    assert torch.allclose(merged, dequantized + update, atol=1e-6)
+    original = load_file(Path(base_path) / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    assert (merged - (original + update)).abs().max() > 1e-3  # NF4 rounding: the original is not what it trained on
+    assert "LoRA merged into its base" in result.stdout
+
+
+@pytest.mark.slow
 def test_lora_export_converts_dtype_or_copies_the_adapter(trained_tiny_lora_run, tmp_path):
     result = export(trained_tiny_lora_run, tmp_path / "bf16", "--merge-lora", "--dtype", "bfloat16")
     assert_succeeded(result)

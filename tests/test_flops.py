@@ -152,6 +152,17 @@ def test_lora_leaves_out_the_weight_gradients_of_the_frozen_base(tiny_model_dir)
     assert full - per_token == 2 * TINY_MATMUL - 6 * LORA_ON_Q_AND_V  # a quarter lower here
 
 
+def test_qlora_counts_the_frozen_4bit_base_as_lora_counts_its_16bit_one(tiny_model_dir):
+    """A 4-bit weight packs two values a byte: the base is counted from the layers' shapes, frozen, as for LoRA (the
+    dequantization is hardware work, not model FLOPs, as gradient checkpointing's recomputation is not)."""
+    from hf_scale.modeling import ModelArguments, load_model, load_tokenizer
+
+    lora = dict(lora_r=8, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"], quantization="nf4")
+    model = load_model(ModelArguments(**lora), str(tiny_model_dir), load_tokenizer(str(tiny_model_dir)))
+    assert frozen_matmul_parameters(model) == TINY_MATMUL
+    assert adapter_parameters(model) == LORA_ON_Q_AND_V
+
+
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # the trained copy is untied: wanted here
 def test_lora_with_a_trained_lm_head_counts_its_weight_gradient_once(tiny_model_dir):
     # modules_to_save: a trainable copy of the LM head runs; PEFT keeps the frozen original, which does not run

@@ -4,7 +4,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from hf_scale.errors import ConfigError
 from hf_scale.hardware import get_gpu
-from hf_scale.memory import ModelShape, Workload, estimate, plan
+from hf_scale.memory import ModelShape, Workload, estimate, plan, quantized_base_bytes
 from hf_scale.model_shapes import model_shape
 
 LLAMA2 = ["meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-70b-hf"]
@@ -92,3 +92,74 @@ def test_a_local_config_is_counted_on_the_meta_device(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert shape.parameters == sum({id(p): p.numel() for p in model.parameters()}.values())
     assert shape.layers == 3 and isinstance(shape.parameters, int)
+
+
+def stored_bytes(model) -> int:
+    """What the model's tensors hold, bitsandbytes' quantization constants included (each tensor counted once)."""
+    seen, total = set(), 0
+
+    def add(tensor):
+        nonlocal total
+        if tensor is not None and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+
+    def add_state(state):
+        add(state.absmax)
+        add(state.code)
+        if state.nested:
+            add(state.offset)
+            add_state(state.state2)
+
+    for parameter in model.parameters():
+        add(parameter.data)
+        if getattr(parameter, "quant_state", None) is not None:
+            add_state(parameter.quant_state)
+        if getattr(parameter, "SCB", None) is not None:  # int8: a scale per row
+            add(parameter.SCB)
+    return total
+
+
+@pytest.mark.parametrize("quantization, double", [("nf4", True), ("nf4", False), ("fp4", True)])
+def test_qlora_row_matches_what_bitsandbytes_stores_for_the_tiny_model(tiny_model_dir, quantization, double):
+    """The tiny LLaMA loaded as a QLoRA run loads it (projections quantized, the rest fp32, adapters fp32)."""
+    from transformers import AutoConfig
+
+    from hf_scale.modeling import ModelArguments, load_model, load_tokenizer
+
+    args = ModelArguments(lora_r=8, quantization=quantization, double_quantization=double)
+    model = load_model(args, str(tiny_model_dir), load_tokenizer(str(tiny_model_dir)))
+    shape = model_shape(AutoConfig.from_pretrained(tiny_model_dir))
+    trainable = shape.lora_parameters(8, Workload(gpu=get_gpu("rtx4090-24g")).lora_targets)
+    assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    planned = quantized_base_bytes(shape, quantization, double) + 4 * trainable
+    assert planned == pytest.approx(stored_bytes(model), rel=0.02)
+
+
+@pytest.mark.parametrize("quantization, double", [("nf4", True), ("int8", False)])
+def test_qlora_row_matches_bitsandbytes_for_llama2_7b(quantization, double):
+    """LLaMA-2-7B's shape: each distinct projection quantized once by bitsandbytes (random weights of its size),
+    the rest counted on the meta device."""
+    import bitsandbytes as bnb
+    import torch
+
+    from hf_scale.model_shapes import KNOWN_CONFIGS, count_parameters
+
+    shape = model_shape("meta-llama/Llama-2-7b-hf")
+    assert count_parameters(KNOWN_CONFIGS["meta-llama/Llama-2-7b-hf"]) == shape.parameters
+    quantized, linear_weights = 0, 0
+    for in_features, out_features in set(shape.projections.values()):
+        layers = shape.layers * list(shape.projections.values()).count((in_features, out_features))
+        weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+        if quantization == "int8":
+            layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False)
+            layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+        else:
+            layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, quant_type=quantization)
+            layer.weight = bnb.nn.Params4bit(
+                weight, requires_grad=False, compress_statistics=double, quant_type=quantization
+            )
+        quantized += layers * stored_bytes(layer.to("cpu"))  # bitsandbytes quantizes as the layer is placed
+        linear_weights += layers * in_features * out_features
+    measured = quantized + 4 * (shape.parameters - linear_weights)
+    assert quantized_base_bytes(shape, quantization, double) == pytest.approx(measured, rel=0.02)

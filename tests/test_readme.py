@@ -84,6 +84,9 @@ RUN_BY = {
     "hf-scale presets list": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
     "hf-scale presets show zero2": "tests/test_cli.py::test_presets_list_and_show",
     "hf-scale env": "tests/test_cli.py::test_env_reports_versions_and_devices",
+    "hf-scale plan ... --lora-r 16 --quantization nf4": "tests/test_cli.py::"
+    "test_plan_qlora_row_says_what_fits_a_4090_as_the_readme_shows",
+    "pip install 'hf-scale[qlora]'": "tests/test_modeling.py::test_a_missing_bitsandbytes_names_the_extra_to_install",
     "hf-scale train --config tiny_chat_cpu": "tests/recipes/test_finetune_llama2.py::"
     "test_multi_turn_default_learns_the_turn_that_depends_on_the_first",
     "hf-scale chat": "tests/test_chat.py::test_a_terminal_conversation_streams_answers",

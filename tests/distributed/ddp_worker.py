@@ -73,6 +73,7 @@ def main() -> None:
     worker.add_argument("--fail_save_rank", type=int, default=1)  # ... on this rank only
     worker.add_argument("--packing", action="store_true")
     worker.add_argument("--lora", action="store_true")  # rank 8 on q/v, modules_to_save none
+    worker.add_argument("--quantization")  # with --lora: the base quantized (QLoRA), loaded by hf_scale
     worker.add_argument("--output_dir", required=True)  # also passed on to the Trainer
     options, argv = worker.parse_known_args()
     argv += ["--output_dir", options.output_dir]
@@ -106,8 +107,15 @@ def main() -> None:
         path = ensure_tiny_model()
     tokenizer = load_tokenizer(str(path))
     dataset = tiny_dataset(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    if options.lora:
+    if options.quantization:
+        from hf_scale.modeling import ModelArguments, load_model
+
+        set_seed(args.seed)
+        lora = dict(lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=["q_proj", "v_proj"])
+        model = load_model(ModelArguments(**lora, quantization=options.quantization), str(path), tokenizer)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    if options.lora and not options.quantization:
         from peft import LoraConfig, get_peft_model
 
         set_seed(args.seed)  # the adapters' initial weights: the same in every run and on every rank
@@ -154,7 +162,10 @@ def main() -> None:
     }
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.output_dir) / f"rank{args.process_index}.json").write_text(json.dumps(report))
-    save_file(held_weights(trainer.model), str(Path(args.output_dir) / f"rank{args.process_index}.safetensors"))
+    held = held_weights(trainer.model)
+    if options.quantization:  # the adapters: the 4-bit base is frozen, and bitsandbytes re-packs it on CPU
+        held = {name: tensor for name, tensor in held.items() if "lora_" in name}
+    save_file(held, str(Path(args.output_dir) / f"rank{args.process_index}.safetensors"))
     # The process group ends before the interpreter: a gloo thread still running at exit can abort the process
     # ("terminate called without an active exception") after a run that went well.
     trainer.accelerator.end_training()

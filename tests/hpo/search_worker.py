@@ -53,6 +53,7 @@ def options() -> argparse.Namespace:
     parser.add_argument("--grace_period", type=int, default=None)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--lora_fast_path", default="true")
+    parser.add_argument("--quantization", default=None, help="with --lora: the base quantized (QLoRA), e.g. nf4")
     parser.add_argument(
         "--space", default="lr", help="lr: learning rate only; lr_batch: and the batch size; default: hf_scale's own"
     )
@@ -129,10 +130,19 @@ def main() -> None:
     train_records, eval_records = generate_tasks()
     train, _ = tokenize_records(train_records[: opts.train_records], tokenizer, ALPACA, max_length=64)
     evaluation, _ = tokenize_records(eval_records[: opts.eval_records], tokenizer, ALPACA, max_length=64)
-    base_digests, lora_ranks, model_inits = [], [], []
+    base_digests, lora_ranks, model_inits, model_init_seconds, quantized_bases = [], [], [], [], []
 
     def model_init(trial=None):
         model_inits.append(time.time())
+        if opts.quantization:  # QLoRA: hf_scale's own loading, which quantizes the base as it loads
+            from hf_scale.modeling import ModelArguments, load_model
+
+            model_args = ModelArguments(
+                lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"], quantization=opts.quantization
+            )
+            model = load_model(model_args, str(path), tokenizer)
+            model_init_seconds.append(time.time() - model_inits[-1])
+            return model
         breaks_here = opts.fail_init_rank in (-1, args.process_index)
         if trial is not None and trial.number == opts.fail_init_trial and breaks_here:
             raise RuntimeError(f"model_init breaks on rank {args.process_index}{' only' * (opts.fail_init_rank >= 0)}")
@@ -161,6 +171,13 @@ def main() -> None:
             if opts.lora:
                 base_digests.append(digest(model))
                 lora_ranks.append(model.peft_config["default"].r)
+                # A 4-bit base is followed by identity, not bytes: bitsandbytes on CPU re-packs its weights for its
+                # kernels at the first forward (the same weights, other bytes).
+                import bitsandbytes as bnb
+
+                quantized = [m.weight for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+                frozen = all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+                quantized_bases.append({"layers": len(quantized), "ids": [id(w) for w in quantized], "frozen": frozen})
             return control
 
     trainer = ScaleTrainer(
@@ -208,6 +225,8 @@ def main() -> None:
         "base_digests": base_digests,
         "lora_ranks": lora_ranks,
         "model_init_calls": len(model_inits),
+        "model_init_seconds": model_init_seconds,
+        "quantized_layers": quantized_bases,
         "trainer_lr": trainer.args.learning_rate,
     }
     study = trainer.hp_search_study

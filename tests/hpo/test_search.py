@@ -88,6 +88,19 @@ def test_lora_search_loads_the_base_once_and_recreates_adapters(tmp_path, tiny_m
 
 
 @pytest.mark.slow
+def test_qlora_search_keeps_one_quantized_base_for_every_trial(tmp_path, tiny_model_dir):
+    """4 trials over an NF4 base: it is loaded and quantized once; each trial gets new adapters on the same 4-bit
+    weight objects, frozen (only lora_ parameters train)."""
+    flags = ["--lora", "--quantization", "nf4", "--n_trials", "4", "--startup_trials", "5"]
+    (report,) = run_search(tmp_path, *flags, timeout=400)
+    assert report["model_init_calls"] == 1 and len(report["model_init_seconds"]) == 1
+    bases = report["quantized_layers"]
+    assert len(bases) == 4 and all(base["layers"] == 21 and base["frozen"] for base in bases)  # 3 layers x 7
+    assert all(base["ids"] == bases[0]["ids"] for base in bases)  # the same Linear4bit weights in every trial
+    assert report["lora_ranks"] == [o["params"]["lora_r"] for o in report["outcomes"]]
+
+
+@pytest.mark.slow
 def test_lora_search_without_fast_path_calls_model_init_per_trial(tmp_path, tiny_model_dir):
     (report,) = run_search(
         tmp_path, "--lora", "--lora_fast_path", "false", "--n_trials", "2", "--startup_trials", "5", timeout=300

@@ -68,11 +68,13 @@ def test_planner_agrees_with_each_config(config):
         micro_batch=options.micro_batch,
         gradient_checkpointing=options.grad_ckpt,
         lora_r=options.lora_r,
+        quantization=options.quantization,
     )
     result = plan(model_shape(options.model), workload)
     if values.get("lora_r"):
-        chosen = "lora"
-        assert options.lora_r == values["lora_r"] and result.estimates["lora"].fits
+        chosen = "qlora" if values.get("quantization") else "lora"
+        assert options.lora_r == values["lora_r"] and result.estimates[chosen].fits
+        assert options.quantization == values.get("quantization", "nf4")
     else:
         chosen = values["zero_preset"]
         assert result.recommendation == chosen, render_plan(result)

@@ -28,6 +28,9 @@ DATA = {
     "llama2_70b_2x8xa100_zero3_offload.yaml": "alpaca_en_demo.json",
     "llama2_7b_4x4090_lora.yaml": "alpaca_zh_demo.json",
     "llama2_7b_4x4090_zero2_offload.yaml": "alpaca_en_demo.json",
+    "llama2_7b_1x4090_qlora.yaml": "alpaca_en_demo.json",
+    "llama2_13b_1x4090_qlora.yaml": "alpaca_zh_demo.json",
+    "llama2_13b_4x4090_qlora.yaml": "alpaca_en_demo.json",
     "search_llama2_7b_lora.yaml": "alpaca_zh_demo.json",
 }
 
