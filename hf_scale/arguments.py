@@ -6,6 +6,7 @@ No `from __future__ import annotations` here: `HfArgumentParser` reads the field
 import dataclasses
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -269,10 +270,11 @@ def check_reporting_integrations(report_to: list[str]) -> None:
         )
 
 
-def prepare_run(args: ScaleTrainingArguments) -> ScaleTrainingArguments:
+def prepare_run(args: ScaleTrainingArguments, model_args: typing.Any = None) -> ScaleTrainingArguments:
     """The arguments a run trains with, once what touches the network, disks and processes has been done and checked.
 
-    `zero_preset="auto"` gets the planner's preset (it reads plan_model's config, maybe from the hub); output_dir must
+    `zero_preset="auto"` gets the planner's preset (it reads plan_model's config, maybe from the hub; with the
+    recipe's `model_args`, LoRA or QLoRA adapters are planned as such: plain DDP when they fit); output_dir must
     be writable, and hold a complete checkpoint with resume='true'; on CPU, DeepSpeed's communication joins the gloo
     process group (ZeRO-3 asks it for the world size while `from_pretrained` partitions the weights; uninitialised
     it answers 1 and DeepSpeed's batch check fails). `ScaleTrainer` calls it; a script that loads a model under
@@ -285,7 +287,8 @@ def prepare_run(args: ScaleTrainingArguments) -> ScaleTrainingArguments:
     if args.zero_preset == "auto":
         from hf_scale.presets.auto import planned_preset
 
-        args = dataclasses.replace(args, zero_preset=planned_preset(args, launched_world_size()))
+        lora_r, quantization = (model_args.lora_r, model_args.quantization) if model_args else (0, None)
+        args = dataclasses.replace(args, zero_preset=planned_preset(args, launched_world_size(), lora_r, quantization))
     if args.resume == "true" and not (args.output_dir and os.path.isdir(args.output_dir)):
         raise ConfigError(f"resume: output_dir {args.output_dir!r} does not exist, so there is nothing to resume")
     if args.resume == "true" and last_complete_checkpoint(args.output_dir) is None:

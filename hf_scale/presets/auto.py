@@ -10,10 +10,13 @@ from hf_scale.hardware import GPU, get_gpu, gpu_from_device_name
 from hf_scale.memory import Workload, plan
 
 
-def planned_preset(args: Any, world_size: int) -> str:
+def planned_preset(args: Any, world_size: int, lora_r: int = 0, quantization: str | None = None) -> str:
     """The preset for `args.plan_model` on this machine's GPUs, or a `ConfigError` with the planner's advice.
 
-    The planner's strategies are named as the presets; "ddp" means no DeepSpeed at all."""
+    The planner's strategies are named as the presets; "ddp" means no DeepSpeed at all. LoRA adapters (`lora_r`)
+    train with plain DDP when the planner's lora row fits (a whole 16-bit base per GPU), else with the preset full
+    fine-tuning would get (it shards the base too); QLoRA (`quantization`) trains with plain DDP only, so it is
+    "ddp" when its qlora row fits and a `ConfigError` saying the planned figure when it does not."""
     from hf_scale.model_shapes import model_shape
 
     if not args.plan_model:
@@ -31,8 +34,20 @@ def planned_preset(args: Any, world_size: int) -> str:
             seq_len=args.plan_seq_len,
             micro_batch=args.per_device_train_batch_size,
             gradient_checkpointing=bool(args.gradient_checkpointing),
+            lora_r=lora_r or 16,
+            quantization=quantization or "nf4",
         ),
     )
+    adapters = "qlora" if quantization else "lora" if lora_r else None
+    if adapters and result.estimates[adapters].fits:
+        return "ddp"
+    if adapters == "qlora":
+        planned = result.estimates["qlora"].total / 2**30
+        raise ConfigError(
+            f"zero_preset=auto: QLoRA ({quantization}, r={lora_r}) of {result.shape.name} needs {planned:.1f} GiB "
+            f"per GPU, more than 90% of a {result.workload.gpu.name}, and a quantized base is not sharded: use larger "
+            "GPUs, a shorter max_length or a smaller per_device_train_batch_size, or gradient_checkpointing"
+        )
     if result.recommendation is None:
         raise ConfigError(
             f"zero_preset=auto: {result.shape.name} fits no strategy on {result.workload.gpus} "

@@ -39,7 +39,9 @@ def main(argv: list[str]) -> dict:
     model_args, data_args, args = parse_recipe_arguments(
         argv, (ModelArguments, DataArguments, ScaleTrainingArguments), "tiny_cpu", __doc__
     )
-    args = prepare_run(args)  # zero_preset auto planned, output_dir writable, the checkpoint to resume there
+    args = prepare_run(
+        args, model_args
+    )  # zero_preset auto planned, output_dir writable, the checkpoint to resume there
 
     # 2. Data and tokenizer: Alpaca records or conversations, each one checked, a held-out split; labels on the
     #    responses and their end of turn only; several datasets mixed by weight.

@@ -78,7 +78,7 @@ def check_quantized_strategy(model_args: ModelArguments, args: ScaleTrainingArgu
             "quantization: int8 on CPU is refused: bitsandbytes' CPU int8 layers change at an evaluation (measured "
             "here: the adapters' gradients afterwards off by about 3 %); on CPU use nf4 or fp4"
         )
-    sharded = args.zero_preset not in (None, "ddp") or args.deepspeed or args.fsdp
+    sharded = args.zero_preset not in (None, "ddp", "auto") or args.deepspeed or args.fsdp  # auto: DDP or an error
     if sharded:
         how = f"zero_preset {args.zero_preset}" if args.zero_preset else ("deepspeed" if args.deepspeed else "fsdp")
         raise ConfigError(

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> dict:
         "search_tiny_cpu",
         __doc__,
     )
-    args = prepare_run(args)  # zero_preset auto planned, output_dir writable
+    args = prepare_run(args, model_args)  # zero_preset auto planned, output_dir writable
 
     # 2. Data and tokenizer, once: every trial trains on the same examples.
     data = prepare_data(model_args, data_args, args)

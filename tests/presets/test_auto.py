@@ -26,8 +26,9 @@ def test_unknown_card_is_not_guessed():
     assert gpu_from_device_name("Tesla V100-SXM2-32GB") is None
 
 
-def planned(tmp_path, **kwargs) -> ScaleTrainingArguments:
-    return prepare_run(ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="auto", plan_seq_len=512, **kwargs))
+def planned(tmp_path, model_args=None, **kwargs) -> ScaleTrainingArguments:
+    args = ScaleTrainingArguments(output_dir=str(tmp_path), zero_preset="auto", plan_seq_len=512, **kwargs)
+    return prepare_run(args, model_args)
 
 
 def test_auto_takes_the_planners_pick(tmp_path):
@@ -58,3 +59,30 @@ def test_auto_needs_a_model_and_a_known_gpu(tmp_path):
         planned(tmp_path, plan_gpu="a100-80g")
     with pytest.raises(ConfigError, match="gpu: unknown GPU 'v100'; known GPUs: a100-40g"):
         planned(tmp_path, plan_model="meta-llama/Llama-2-7b-hf", plan_gpu="v100")
+
+
+ONE_4090 = dict(plan_gpu="rtx4090-24g", gradient_checkpointing=True)
+
+
+def test_auto_trains_adapters_with_plain_ddp_when_they_fit(tmp_path):
+    """With the recipe's model arguments the planner sizes what is trained: LoRA on 7B and QLoRA on 13B fit one 4090
+    with a whole base per GPU (plain DDP), where full fine-tuning of 7B needs the optimizer in host memory."""
+    from hf_scale.modeling import ModelArguments
+
+    seven_b = dict(plan_model="meta-llama/Llama-2-7b-hf", per_device_train_batch_size=4, **ONE_4090)
+    assert planned(tmp_path, **seven_b).zero_preset == "zero2_offload"
+    assert planned(tmp_path, ModelArguments(lora_r=16), **seven_b).zero_preset == "ddp"
+    thirteen_b = dict(plan_model="meta-llama/Llama-2-13b-hf", per_device_train_batch_size=2, **ONE_4090)
+    qlora = ModelArguments(lora_r=16, quantization="nf4")
+    args = planned(tmp_path, qlora, **thirteen_b)
+    assert args.zero_preset == "ddp" and not args.deepspeed
+    # LoRA on 13B does not fit one 4090 with a 16-bit base: the base is sharded as full fine-tuning's would be
+    assert planned(tmp_path, ModelArguments(lora_r=16), **thirteen_b).zero_preset == "zero3_offload"
+
+
+def test_auto_refuses_qlora_that_does_not_fit_with_the_planned_figure(tmp_path):
+    from hf_scale.modeling import ModelArguments
+
+    seventy_b = dict(plan_model="meta-llama/Llama-2-70b-hf", per_device_train_batch_size=1, **ONE_4090)
+    with pytest.raises(ConfigError, match=r"QLoRA \(nf4, r=16\) of meta-llama/Llama-2-70b-hf needs 40.8 GiB per GPU"):
+        planned(tmp_path, ModelArguments(lora_r=16, quantization="nf4"), **seventy_b)

@@ -3,6 +3,7 @@
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_scale.data.templates import ALPACA
 from hf_scale.evaluation import greedy_exact_match
 from hf_scale.tiny import generate_conversation_tasks, generate_tasks
-from tests.helpers import SHARED_DATA, assert_succeeded, python_bin, run_command, torchrun
+from tests.helpers import SHARED_DATA, assert_same_weights, assert_succeeded, python_bin, run_command, torchrun
 
 RECIPE = "recipes/finetune_llama2.py"
 pytestmark = pytest.mark.slow
@@ -196,6 +197,24 @@ def test_qlora_learns_the_conversations_as_lora_does_on_two_processes(trained_ti
         assert (output_dir / "adapter_model.safetensors").is_file() and not (output_dir / "model.safetensors").exists()
     assert scores["lora"] >= 0.3, scores  # the budget teaches LoRA the task: the comparison means something
     assert abs(scores["qlora"] - scores["lora"]) <= 0.1, scores
+
+
+def test_qlora_with_packing_accumulation_checkpointing_and_early_stopping(tmp_path, hf_scale_cache):
+    """The options combined on a 4-bit base: the run stops early and ends with, and saves, the best checkpoint's
+    adapter (no copy of the base anywhere)."""
+    output_dir = tmp_path / "run"
+    flags = ["--quantization", "nf4", "--lora_r", "8", "--packing", "true", "--gradient_checkpointing", "true"]
+    flags += ["--gradient_accumulation_steps", "2", "--early_stopping_patience", "2", "--early_stopping_threshold"]
+    flags += ["100", "--eval_strategy", "steps", "--eval_steps", "4", "--save_strategy", "steps", "--save_steps", "4"]
+    flags += ["--logging_steps", "4", "--max_steps", "60", "--exact_match_samples", "0", "--save_total_limit", "5"]
+    result = run_command([sys.executable, RECIPE, *flags, "--output_dir", str(output_dir)], timeout=600)
+    assert_succeeded(result, result.stderr[-3000:])
+    assert "batching: packing, 0.0% of the batch tokens are padding" in result.stdout
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    assert state["global_step"] < 60  # stopped: no evaluation improved by 100
+    best = Path(state["best_model_checkpoint"])
+    assert_same_weights(best / "adapter_model.safetensors", output_dir / "adapter_model.safetensors", atol=0)
+    assert not list(output_dir.rglob("model.safetensors"))  # adapters only, in the run and its checkpoints
 
 
 # The README's launch lines (accelerate, torchrun, the DeepSpeed launcher, two nodes; ZeRO-1 and ZeRO-3 with
