@@ -58,7 +58,7 @@ def test_the_wheel_holds_the_recipes_and_the_configs(installed, tmp_path):
     assert helped.returncode == 0 and "--zero_preset" in helped.stdout, helped.stderr
     wrong = run_installed([str(installed / "hf-scale"), "train", "--config", "llama2_7b_zero9"], tmp_path)
     assert wrong.returncode == 2
-    assert "config file not found: llama2_7b_zero9 (nor a shipped config: llama2_13b_8xa100_zero2" in wrong.stderr
+    assert "config file not found: llama2_7b_zero9 (nor a shipped config: llama2_13b_1x4090_qlora, " in wrong.stderr
 
 
 def test_hf_scale_train_and_search_from_an_empty_folder(installed, tmp_path, tiny_model_dir):
