@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,31 +23,36 @@ def tiny_model_dir(hf_scale_cache) -> Path:
     return ensure_tiny_model()
 
 
-def _train(output_dir: Path, *flags: str, launcher: tuple[str, ...] = (sys.executable,)) -> Path:
-    """A recipe run into `output_dir`; what it printed is kept beside it, in `<output_dir>.log`."""
-    from tests.helpers import assert_succeeded, run_command
-
-    command = [*launcher, "recipes/finetune_llama2.py", "--output_dir", str(output_dir), *flags]
-    result = run_command(command, timeout=600, OMP_NUM_THREADS="2")
-    assert_succeeded(result, result.stderr[-3000:])
-    output_dir.with_suffix(".log").write_text(result.stdout)
-    return output_dir
-
-
 @pytest.fixture(scope="session")
 def trained_tiny_run(hf_scale_cache, tmp_path_factory) -> Path:
     """The embedded tiny default trained as `make demo` trains it (about a minute): a run folder whose model
     answers held-out records (exact match about 0.9), shared by the recipe test and the tests that chat with or
     export a run."""
-    from tests.helpers import python_bin
+    from tests.helpers import python_bin, train_recipe
 
     launcher = (python_bin("accelerate"), "launch", "--num_processes", "1")
-    return _train(tmp_path_factory.mktemp("trained") / "tiny", launcher=launcher)
+    return train_recipe(tmp_path_factory.mktemp("trained") / "tiny", launcher=launcher)
 
 
 @pytest.fixture(scope="session")
 def trained_tiny_lora_run(hf_scale_cache, tmp_path_factory) -> Path:
     """The tiny default with LoRA adapters (r=8), trained long enough that the adapter changes the answers: the run
     folder holds the adapter only (adapter_config.json names the base)."""
+    from tests.helpers import train_recipe
+
     flags = ["--lora_r", "8", "--max_steps", "200", "--exact_match_samples", "0", "--save_strategy", "no"]
-    return _train(tmp_path_factory.mktemp("trained") / "tiny-lora", *flags)
+    return train_recipe(tmp_path_factory.mktemp("trained") / "tiny-lora", *flags)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_qlora_run(hf_scale_cache, tmp_path_factory) -> Path:
+    """QLoRA (NF4 base, r=8) with packing, accumulation 2, gradient checkpointing and early stopping that stops the
+    run (no evaluation improves by 100): it ends with its best checkpoint's adapter. Shared by the recipe test of
+    those options together and the export test that merges a QLoRA adapter."""
+    from tests.helpers import train_recipe
+
+    flags = ["--quantization", "nf4", "--lora_r", "8", "--packing", "true", "--gradient_checkpointing", "true"]
+    flags += ["--gradient_accumulation_steps", "2", "--early_stopping_patience", "2", "--early_stopping_threshold"]
+    flags += ["100", "--eval_strategy", "steps", "--eval_steps", "4", "--save_strategy", "steps", "--save_steps", "4"]
+    flags += ["--logging_steps", "4", "--max_steps", "60", "--exact_match_samples", "0", "--save_total_limit", "5"]
+    return train_recipe(tmp_path_factory.mktemp("trained") / "tiny-qlora", *flags)

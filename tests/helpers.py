@@ -86,3 +86,12 @@ def assert_same_weights(expected_file: Path, actual_file: Path, atol: float = 1e
     assert expected.keys() == actual.keys()
     for name, tensor in expected.items():
         assert torch.allclose(tensor, actual[name], atol=atol, rtol=0), name
+
+
+def train_recipe(output_dir: Path, *flags: str, launcher: tuple[str, ...] = (sys.executable,)) -> Path:
+    """A recipe run into `output_dir`; what it printed is kept beside it, in `<output_dir>.log`."""
+    command = [*launcher, "recipes/finetune_llama2.py", "--output_dir", str(output_dir), *flags]
+    result = run_command(command, timeout=600, OMP_NUM_THREADS="2")
+    assert_succeeded(result, result.stderr[-3000:])
+    output_dir.with_suffix(".log").write_text(result.stdout)
+    return output_dir

@@ -162,7 +162,7 @@ def reference(trained_tiny_run):
 
 @pytest.mark.slow
 def test_prompt_prints_only_the_answer(trained_tiny_run, reference):
-    records = questions(5)
+    records = questions(3)
     outputs = []
     for record in records:
         result = run_command(chat_command(trained_tiny_run, "--prompt", record["instruction"]), timeout=120)
@@ -170,9 +170,10 @@ def test_prompt_prints_only_the_answer(trained_tiny_run, reference):
         outputs.append(result.stdout)
     # What transformers itself generates from the template's prompt, to the character, for every record...
     assert outputs == [greedy(*reference, [user(r["instruction"])]) + "\n" for r in records]
-    # ...and mostly the right answers to questions the model never saw (it scores about 0.86; 4 of these 5 here).
+    # ...and mostly the right answers to questions the model never saw (it scores about 0.86; the standard-input
+    # test below asks 19 more).
     correct = sum(output == record["output"] + "\n" for output, record in zip(outputs, records, strict=True))
-    assert correct >= 3, list(zip(outputs, [r["output"] for r in records], strict=True))
+    assert correct >= 2, list(zip(outputs, [r["output"] for r in records], strict=True))
 
 
 @pytest.mark.slow

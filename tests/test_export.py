@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_scale.cli import main
 from hf_scale.export import CARD_EXAMPLE_MESSAGE, export_run
 from hf_scale.tiny import generate_tasks
 from tests.helpers import assert_same_weights, assert_succeeded, run_command, torchrun
@@ -140,16 +141,14 @@ def test_merged_lora_export_answers_as_the_adapter_does_without_hf_scale(trained
 
 
 @pytest.mark.slow
-def test_qlora_export_merges_into_the_dequantized_base_it_trained_on(hf_scale_cache, tmp_path):
+def test_qlora_export_merges_into_the_dequantized_base_it_trained_on(trained_tiny_qlora_run, tmp_path):
     """A QLoRA run's adapter was trained on the NF4 base: the merged weights are that base dequantized plus the
     adapter's update, not the original weights plus the update."""
     import bitsandbytes as bnb
 
     from hf_scale.modeling import ModelArguments, quantization_config
-    from tests.conftest import _train
 
-    flags = ["--lora_r", "8", "--quantization", "nf4", "--max_steps", "20", "--exact_match_samples", "0"]
-    run = _train(tmp_path / "qlora", *flags, "--save_strategy", "no", "--eval_strategy", "no")
+    run = trained_tiny_qlora_run
     assert not (run / "model.safetensors").exists() and (run / "adapter_model.safetensors").is_file()
     out = tmp_path / "merged"
     assert_succeeded(result := export(run, out, "--merge-lora"))
@@ -238,26 +237,26 @@ def test_a_folder_without_run_records_exports_with_a_card_that_says_so(tiny_mode
     assert not list(tmp_path.glob(".out.*"))  # no staging folder left beside it
 
 
-def test_refuses_to_overwrite(tiny_model_dir, tmp_path):
+def test_refuses_to_overwrite(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    result = export(tiny_model_dir, out)
-    assert result.returncode == 2
-    assert result.stderr.startswith("hf-scale: error:") and f"{out} exists and is not empty" in result.stderr
+    assert main(["export", str(tiny_model_dir), str(out)]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("hf-scale: error:") and f"{out} exists and is not empty" in stderr
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_refuses_a_folder_with_no_model_before_any_work(tiny_model_dir, tmp_path):
+def test_refuses_a_folder_with_no_model_before_any_work(tiny_model_dir, tmp_path, capsys):
     run_dir = tmp_path / "no-model"
     run_dir.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(tiny_model_dir / name, run_dir / name)
     (run_dir / "metrics.json").write_text("{}")
-    result = export(run_dir, tmp_path / "out")
-    assert result.returncode == 2
-    assert f"hf-scale: error: {run_dir}: neither a model" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    assert main(["export", str(run_dir), str(tmp_path / "out")]) == 2
+    stderr = capsys.readouterr().err
+    assert f"hf-scale: error: {run_dir}: neither a model" in stderr
+    assert len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 

@@ -77,6 +77,7 @@ RUN_BY = {
     "test_package.py::test_accelerate_launch_of_the_installed_cli_trains_on_two_processes",
     "python bench/data_pipeline.py": "tests/bench/test_benches.py::test_data_pipeline_prints_both_sets",
     "python bench/hpo.py": "tests/bench/test_benches.py::test_hpo_prints_both_backends_and_the_speed_ups",
+    "python bench/qlora_learning.py": "tests/bench/test_benches.py::test_qlora_learning_prints_both_means",
     "hf-scale plan": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
     "hf-scale plan ...": "tests/test_cli.py::test_plan_prints_the_table_and_the_recommendation",
     "hf-scale plan, presets, train, search, recipes, report, env": "tests/test_cli.py::"

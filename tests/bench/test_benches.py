@@ -1,5 +1,6 @@
 """The benchmarks the README quotes run, in a quick setting, and print their tables (the figures are theirs)."""
 
+import json
 import re
 import sys
 
@@ -35,3 +36,18 @@ def test_hpo_prints_both_backends_and_the_speed_ups(tiny_model_dir):
     assert [row[2] for row in rows] == ["stock", "hf_scale"]
     assert rows[0][5] == rows[1][5]  # the same training and trials on both sides: the same best eval loss
     assert re.search(r"median speed-up to the target [0-9.]+x, over the whole trial budget [0-9.]+x", result.stdout)
+
+
+def test_qlora_learning_prints_both_means(trained_tiny_run, tmp_path):
+    """A quick setting on the session's trained tiny run: one seed, a few steps; the figures are the bench's."""
+    quick = ["--seeds", "3", "--steps", "2", "--samples", "4", "--base", str(trained_tiny_run)]
+    output = tmp_path / "qlora.json"
+    result = run_command([sys.executable, "bench/qlora_learning.py", *quick, "--output", str(output)], timeout=600)
+    assert_succeeded(result, result.stderr[-3000:])
+    report = json.loads(output.read_text())
+    runs, summary = report["runs"], report["summary"]
+    assert all(run["adapter_only"] for method in ("lora", "qlora") for run in runs[method])
+    assert summary["qlora_minus_lora"] == pytest.approx(runs["qlora"][0]["after"] - runs["lora"][0]["after"])
+    line = f"{3:>6} {runs['lora'][0]['after']:>8.3f} {runs['qlora'][0]['after']:>8.3f}"
+    assert line in result.stdout.splitlines()
+    assert re.search(r"QLoRA - LoRA \(means\): [+-][0-9.]+; within 0.1 either way: (yes|no); QLoRA not", result.stdout)

@@ -1,0 +1,137 @@
+"""QLoRA against LoRA on the same budget, over several seeds: does a 4-bit base learn as well as the base as saved?
+
+    python bench/qlora_learning.py                         # 5 seeds, 2 processes per run (about 15 minutes)
+    python bench/qlora_learning.py --seeds 1,2 --base outputs/tiny-chat-cpu
+
+The base is the tiny model trained on the two-turn conversations (the shipped `tiny_chat_cpu` config, trained here
+first unless --base names a run folder): it answers in the LLaMA-2 chat format and has never seen the Alpaca one.
+Each seed fine-tunes it on the embedded single-turn task in the Alpaca template (the shipped `tiny_cpu` config) with
+LoRA r=16 on 2 processes (torchrun), once on the base as saved (fp32) and once on its NF4 copy (`quantization: nf4`,
+double quantization), every other flag the same. The figure is held-out exact match after training, on 400 records
+whose numbers no training record mentions; before training it is 0 for both.
+
+Why several seeds: on this 3-layer, 64-wide model the same LoRA run ends anywhere from 0.53 to 0.97 (measured over
+7 seeds) from one seed to the next: how long it sits on a loss plateau varies, and runs on 2 processes are not
+bit-reproducible. One LoRA run against one QLoRA run compares the seeds more than the bases; the criterion is on
+the means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "finetune_llama2.py"
+TOLERANCE = 0.1  # issue 20: QLoRA's held-out exact match within 0.1 of LoRA's on the same budget
+METHODS = {"lora": [], "qlora": ["--quantization", "nf4"]}
+
+
+def train_base(output_dir: Path, timeout: float) -> Path:
+    """The shipped multi-turn default, trained as `hf-scale train --config tiny_chat_cpu` trains it."""
+    command = [sys.executable, str(RECIPE), "--config", "tiny_chat_cpu", "--output_dir", str(output_dir)]
+    subprocess.run(command, cwd=REPO, check=True, timeout=timeout, capture_output=True)
+    return output_dir
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fine_tune(base: Path, method: str, seed: int, options: argparse.Namespace, output_dir: Path) -> dict:
+    """One 2-process run; returns its exact match before and after and its wall time."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(options.processes)]
+    command += ["--master_port", str(free_port()), str(RECIPE), "--config", "tiny_cpu"]
+    command += ["--model_name_or_path", str(base), "--lora_r", "16", "--lora_alpha", "32"]
+    command += ["--learning_rate", str(options.learning_rate), "--max_steps", str(options.steps)]
+    command += ["--per_device_train_batch_size", str(32 // options.processes), "--seed", str(seed)]
+    command += ["--exact_match_samples", str(options.samples), "--eval_strategy", "no", "--save_strategy", "no"]
+    command += ["--output_dir", str(output_dir), *METHODS[method]]
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, timeout=options.run_timeout, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"{method} seed {seed} failed:\n{result.stderr[-3000:]}")
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    return {
+        "before": metrics["eval_before_exact_match"],
+        "after": metrics["eval_after_exact_match"],
+        "seconds": seconds,
+        "adapter_only": (output_dir / "adapter_model.safetensors").is_file()
+        and not (output_dir / "model.safetensors").exists(),
+    }
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    means = {method: statistics.fmean(run["after"] for run in method_runs) for method, method_runs in runs.items()}
+    spreads = {
+        method: statistics.stdev(run["after"] for run in method_runs) if len(method_runs) > 1 else 0.0
+        for method, method_runs in runs.items()
+    }
+    difference = means["qlora"] - means["lora"]
+    time_ratio = statistics.fmean(r["seconds"] for r in runs["qlora"]) / statistics.fmean(
+        r["seconds"] for r in runs["lora"]
+    )
+    return {
+        "mean": means,
+        "stdev": spreads,
+        "qlora_minus_lora": difference,
+        "within_tolerance": abs(difference) <= TOLERANCE,
+        "not_worse": difference >= -TOLERANCE,
+        "qlora_over_lora_time": time_ratio,
+    }
+
+
+def print_table(seeds: list[int], runs: dict[str, list[dict]], summary: dict) -> None:
+    print(f"{'seed':>6} {'LoRA':>8} {'QLoRA':>8}   held-out exact match after training (before: 0 for both)")
+    for index, seed in enumerate(seeds):
+        print(f"{seed:>6} {runs['lora'][index]['after']:>8.3f} {runs['qlora'][index]['after']:>8.3f}")
+    mean, stdev = summary["mean"], summary["stdev"]
+    print(f"{'mean':>6} {mean['lora']:>8.3f} {mean['qlora']:>8.3f}")
+    print(f"{'stdev':>6} {stdev['lora']:>8.3f} {stdev['qlora']:>8.3f}")
+    within, not_worse = ("yes" if summary[key] else "no" for key in ("within_tolerance", "not_worse"))
+    print(
+        f"QLoRA - LoRA (means): {summary['qlora_minus_lora']:+.3f}; within {TOLERANCE} either way: {within}; "
+        f"QLoRA not more than {TOLERANCE} below LoRA: {not_worse}"
+    )
+    print(f"QLoRA / LoRA wall time per run: {summary['qlora_over_lora_time']:.2f}x (bitsandbytes' CPU path)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="1,2,3,4,5", help="comma-separated training seeds")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--learning_rate", type=float, default=5e-3)
+    parser.add_argument("--samples", type=int, default=400, help="held-out records scored")
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--base", type=Path, help="a trained tiny_chat_cpu run folder (default: train one)")
+    parser.add_argument("--run_timeout", type=float, default=1200)
+    parser.add_argument("--output", type=Path, help="also write the runs and the summary as JSON here")
+    options = parser.parse_args()
+    seeds = [int(seed) for seed in options.seeds.split(",")]
+
+    with tempfile.TemporaryDirectory(prefix="qlora-bench-") as scratch:
+        base = options.base or train_base(Path(scratch) / "base", options.run_timeout)
+        runs: dict[str, list[dict]] = {method: [] for method in METHODS}
+        for seed in seeds:
+            for method in METHODS:
+                run = fine_tune(base, method, seed, options, Path(scratch) / f"{method}-{seed}")
+                runs[method].append(run)
+                print(f"seed {seed} {method}: {run['before']:.3f} -> {run['after']:.3f} ({run['seconds']:.0f} s)")
+    summary = summarize(runs)
+    if options.output:
+        options.output.write_text(json.dumps({"seeds": seeds, "runs": runs, "summary": summary}, indent=2) + "\n")
+    print_table(seeds, runs, summary)
+
+
+if __name__ == "__main__":
+    main()
