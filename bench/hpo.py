@@ -3,6 +3,7 @@
     python bench/hpo.py                      # single process and 2 processes, then the LoRA fast path
     python bench/hpo.py --trials 10 --steps 48 --only single --seeds 7
     python bench/hpo.py --only ddp --trials 30   # past TPE's 10 random trials
+    python bench/hpo.py --only budget --budget 90 --budget_seeds 1,2,3,4,5   # quality per hour, 2 at once
 
 Both backends get the same search space (learning rate 1e-5 to 1e-1, log), the same sampler (Optuna's TPE, seeded;
 its first 10 trials are random, so both run the same values), the same pruner (median, 3 startup trials, 1 warm-up
@@ -15,11 +16,21 @@ The stock backend prunes only on rank 0, so with 2 processes a pruned trial leav
 runs there without a pruner, as it must. The LoRA part times building each trial's model with and without the fast path,
 on a larger base (about 30M parameters) so that loading it costs something. Timings on these shared machines are
 noisy: read the ratios.
+
+The budget part (`--only budget`) asks what a user with a fixed wall-clock budget gets: for each seed, a search of up
+to 200 trials runs three ways on the same 2 cores, each stopped (killed, with its processes) `--budget` seconds after
+its search is called: (a) the stock backend on 2 processes (DDP, so without pruning; its own `timeout` would leave
+rank 1 waiting for trials rank 0 never starts), (b) hf_scale on 2 processes (DDP, median pruning), (c) hf_scale with
+`parallel_trials=2` (two single-process trials at once, median pruning, one journal study). Every evaluation and
+every trial's end is stamped with the wall clock, counted from the call (so (c) pays for starting its workers).
+Printed: the best eval loss each reached within the budget and within half of it, and trials finished per hour; the
+criteria: (c)'s best at half the budget against (a)'s at the whole, and (c)'s trials per hour against (a)'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -37,7 +48,16 @@ TARGET = 1.02  # within 2 % of the best eval loss found
 # ---- one search, in this process (launched by main, under torchrun for 2 processes) ----
 
 
-def run_one(backend: str, trials: int, steps: int, eval_steps: int, seed: int, out: Path, lora: str) -> None:
+def run_one(
+    backend: str,
+    trials: int,
+    steps: int,
+    eval_steps: int,
+    seed: int,
+    out: Path,
+    lora: str,
+    parallel: int,
+) -> None:
     import optuna
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
@@ -45,6 +65,7 @@ def run_one(backend: str, trials: int, steps: int, eval_steps: int, seed: int, o
     from hf_scale.arguments import ScaleTrainingArguments
     from hf_scale.data.templates import ALPACA
     from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
+    from hf_scale.hpo.parallel import worker_id
     from hf_scale.modeling import load_tokenizer
     from hf_scale.tiny import ensure_tiny_model, generate_tasks
     from hf_scale.trainer import ScaleTrainer
@@ -59,9 +80,19 @@ def run_one(backend: str, trials: int, steps: int, eval_steps: int, seed: int, o
     events: list[tuple[float, float]] = []
     started = [0.0]
 
+    stamps = out / f"stamps-{os.getpid()}.jsonl"  # wall-clock stamps of this process, for the budget part
+
     class Clock(TrainerCallback):
         def on_evaluate(self, args, state, control, metrics=None, **kwargs):
             events.append((time.perf_counter() - started[0], metrics["eval_loss"]))
+            if state.is_world_process_zero:
+                with stamps.open("a") as file:
+                    file.write(json.dumps({"time": time.time(), "eval_loss": metrics["eval_loss"]}) + "\n")
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                with stamps.open("a") as file:
+                    file.write(json.dumps({"time": time.time(), "trial_end": True}) + "\n")
 
     def model_init(trial=None):
         model = AutoModelForCausalLM.from_pretrained(path)
@@ -107,7 +138,8 @@ def run_one(backend: str, trials: int, steps: int, eval_steps: int, seed: int, o
             if world_size == 1
             else optuna.pruners.NopPruner()  # with 2 processes its pruning leaves rank 1 training alone: a hang
         )
-        started[0] = time.perf_counter()
+        started[0], search_started = time.perf_counter(), time.time()
+        (out / "started.json").write_text(json.dumps({"time": search_started}))
         trainer.hyperparameter_search(
             hp_space=hp_space,
             n_trials=trials,
@@ -136,31 +168,45 @@ def run_one(backend: str, trials: int, steps: int, eval_steps: int, seed: int, o
                     "lora_r": trial.suggest_categorical("lora_r", [4, 8, 16]),
                 }
 
-        started[0] = time.perf_counter()
+        started[0], search_started = time.perf_counter(), time.time()
+        if worker_id() is None:  # not one of the workers of parallel_trials, which run this again
+            (out / "started.json").write_text(json.dumps({"time": search_started}))
         trainer.hyperparameter_search(
             hp_space=space,
             n_trials=trials,
-            sampler=optuna.samplers.TPESampler(seed=seed),
+            # Parallel workers each seed their sampler apart (hf_scale does, from host and process).
+            sampler=None if parallel > 1 else optuna.samplers.TPESampler(seed=seed),
             startup_trials=3,
             warmup_evaluations=1,
             report=False,
             lora_fast_path=lora == "fast",
-            storage=f"sqlite:///{out / 'study.db'}",
+            storage=f"{'journal:' + str(out / 'study.log') if parallel > 1 else 'sqlite:///' + str(out / 'study.db')}",
+            parallel_trials=parallel,
         )
         outcomes = trainer.hp_search_outcomes
     total = time.perf_counter() - started[0]
     if not (dist.is_initialized() and dist.get_rank() != 0):
-        result = {"events": events, "total": total, "outcomes": outcomes, "world_size": world_size}
+        result = {
+            "events": events,
+            "total": total,
+            "outcomes": outcomes,
+            "world_size": world_size,
+            "search_started": search_started,
+        }
         (out / "result.json").write_text(json.dumps(result, default=str))
 
 
 # ---- the benchmark: each run in its own process ----
 
 
-def launch(backend: str, processes: int, options: argparse.Namespace, lora: str = "none") -> dict:
+def launch(
+    backend: str, processes: int, options: argparse.Namespace, lora: str = "none", budget: float = 0, parallel: int = 1
+) -> dict:
+    """One search in its own processes; with a budget, all of them are killed `budget` seconds after it started."""
     out = Path(tempfile.mkdtemp(prefix=f"hpo-bench-{backend}-{processes}-"))
     flags = ["--worker", backend, "--out", str(out), "--trials", str(options.trials), "--steps", str(options.steps)]
     flags += ["--eval_steps", str(options.eval_steps), "--seed", str(options.seed), "--lora", lora]
+    flags += ["--parallel", str(parallel)]
     script = str(Path(__file__).resolve())
     if processes == 1:
         command = [sys.executable, script, *flags]
@@ -170,10 +216,55 @@ def launch(backend: str, processes: int, options: argparse.Namespace, lora: str 
         command += [script, *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     env.setdefault("DS_ACCELERATOR", "cpu")
+    if budget:
+        return run_for(command, env, out, budget, options.run_timeout)
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=options.run_timeout)
     if result.returncode != 0:
         raise SystemExit(f"{backend} x{processes} failed:\n{result.stderr[-3000:]}")
-    return json.loads((out / "result.json").read_text())
+    result = json.loads((out / "result.json").read_text())
+    result["stamps"] = [
+        json.loads(line) for path in out.glob("stamps-*.jsonl") for line in path.read_text().splitlines()
+    ]
+    return result
+
+
+def read_stamps(out: Path) -> list[dict]:
+    return [json.loads(line) for path in out.glob("stamps-*.jsonl") for line in path.read_text().splitlines()]
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL `process` and every process under it: torchrun starts its ranks in sessions of their own, so killing
+    the process group would leave them training on the cores the next run is timed on."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+    process.kill()
+    process.wait()
+
+
+def run_for(command: list[str], env: dict, out: Path, budget: float, startup_timeout: float) -> dict:
+    """Run `command` until `budget` seconds after its search started (run_one writes started.json), then kill it
+    with every process it started; what it stamped until then."""
+    log = out / "output.log"
+    with log.open("w") as output:
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + startup_timeout
+        while not (out / "started.json").exists():
+            if process.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"{command} never started its search:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        started = json.loads((out / "started.json").read_text())["time"]
+        while time.time() < started + budget and process.poll() is None:
+            time.sleep(0.2)
+        if process.poll() not in (None, 0):
+            raise SystemExit(f"{command} failed:\n{log.read_text()[-3000:]}")
+    finally:
+        kill_tree(process)
+    return {"search_started": started, "stamps": read_stamps(out)}
 
 
 def time_to_target(events: list, target: float) -> float | None:
@@ -205,6 +296,53 @@ def big_base_model() -> Path:
     return folder
 
 
+BUDGET_MODES = {"a": ("stock", 2, 1), "b": ("hf_scale", 2, 1), "c": ("hf_scale", 1, 2)}  # backend, processes, trials
+
+
+def within(run: dict, seconds: float) -> tuple[float | None, int]:
+    """(best eval loss, trials finished) in the first `seconds` of the search."""
+    start = run["search_started"]
+    stamps = [stamp for stamp in run["stamps"] if stamp["time"] - start <= seconds]
+    losses = [stamp["eval_loss"] for stamp in stamps if "eval_loss" in stamp]
+    return (min(losses) if losses else None), sum("trial_end" in stamp for stamp in stamps)
+
+
+def budget_part(options: argparse.Namespace) -> dict:
+    """(a), (b) and (c) under one wall-clock budget for each seed; prints the table and returns it."""
+    seeds = [int(seed) for seed in options.budget_seeds.split(",")]
+    budget = options.budget
+    rows = {}
+    for seed in seeds:
+        seeded = argparse.Namespace(**{**vars(options), "seed": seed, "trials": 200, "run_timeout": 300})
+        for mode, (backend, processes, parallel) in BUDGET_MODES.items():
+            run = launch(backend, processes, seeded, budget=budget, parallel=parallel)
+            best, finished = within(run, budget)
+            half_best, _ = within(run, budget / 2)
+            rows[seed, mode] = {"best": best, "half_best": half_best, "per_hour": finished * 3600 / budget}
+            print(f"budget {budget:.0f} s, seed {seed}, ({mode}) {backend} x{processes} trials x{parallel}: "
+                  f"best {best}, at half {half_best}, {finished} trials", flush=True)  # fmt: skip
+    print(f"\nbest eval loss within {budget:.0f} s (and within {budget / 2:.0f} s), trials finished per hour, 2 cores")
+    print(f"{'seed':>5} {'(a) stock DDP':>22} {'(b) hf_scale DDP':>22} {'(c) 2 at once':>22}   (c) at half <= (a)")
+    wins = 0
+    for seed in seeds:
+        cells = []
+        for mode in BUDGET_MODES:
+            row = rows[seed, mode]
+            cells.append(
+                f"{row['best'] or float('nan'):.4f} ({row['half_best'] or float('nan'):.4f}) {row['per_hour']:>5.0f}"
+            )
+        a_best, c_half = rows[seed, "a"]["best"], rows[seed, "c"]["half_best"]
+        won = a_best is not None and c_half is not None and c_half <= a_best
+        wins += won
+        print(f"{seed:>5} " + " ".join(f"{cell:>22}" for cell in cells) + f"   {'yes' if won else 'no'}")
+    per_hour = {mode: statistics.fmean(rows[seed, mode]["per_hour"] for seed in seeds) for mode in BUDGET_MODES}
+    ratio = per_hour["c"] / per_hour["a"] if per_hour["a"] else float("inf")
+    print(f"(c) at half the budget at least as good as (a) at all of it: {wins} of {len(seeds)} seeds")
+    hourly = ", ".join(f"({mode}) {per_hour[mode]:.0f}" for mode in BUDGET_MODES)
+    print(f"trials per hour: {hourly}; (c)/(a) {ratio:.2f}x")
+    return {"rows": rows, "wins": wins, "per_hour": per_hour}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
@@ -212,7 +350,10 @@ def main() -> None:
     parser.add_argument("--eval_steps", type=int, default=8)
     parser.add_argument("--seeds", default="7,8,9", help="comma-separated sampler and training seeds")
     parser.add_argument("--seed", type=int, default=7, help=argparse.SUPPRESS)
-    parser.add_argument("--only", choices=["single", "ddp", "lora"], default=None)
+    parser.add_argument("--only", choices=["single", "ddp", "lora", "budget"], default=None)
+    parser.add_argument("--budget", type=float, default=90, help="budget part: seconds of each search")
+    parser.add_argument("--budget_seeds", default="1,2,3,4,5", help="budget part: its seeds")
+    parser.add_argument("--parallel", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--run_timeout", type=float, default=1200)
     parser.add_argument("--worker", choices=["stock", "hf_scale"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -221,7 +362,7 @@ def main() -> None:
     if options.worker:
         run_one(
             options.worker, options.trials, options.steps, options.eval_steps, options.seed, Path(options.out),
-            options.lora,
+            options.lora, options.parallel,
         )  # fmt: skip
         return
 
@@ -264,6 +405,9 @@ def main() -> None:
                 f"{processes} process(es), seeds {seeds}: median speed-up to the target {to_target}, "
                 f"over the whole trial budget {statistics.median(ratios):.2f}x"
             )
+
+    if options.only in (None, "budget"):
+        budget_part(options)
 
     if options.only in (None, "lora"):
         os.environ["BENCH_MODEL"] = str(big_base_model())

@@ -58,6 +58,8 @@ SEARCH_EXAMPLES = """examples:
   hf-scale search --n_trials 2 --max_steps 20      # the embedded tiny default, on any CPU
   on GPU nodes, on every process (see README.md "Hyperparameter search"):
   accelerate launch --config_file 1node_4gpu.yaml -m hf_scale.cli search --config search_llama2_7b_lora
+  4 trials at once, one per GPU, started as one process (see README.md "Hyperparameter search"):
+  hf-scale search --config search_llama2_7b_lora --parallel_trials 4 --pruner asha
 """
 
 RECIPES_EXAMPLES = """examples:

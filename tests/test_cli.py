@@ -104,6 +104,8 @@ def test_every_example_in_the_help_runs(tmp_path, capsys, hf_scale_cache):
             continue
         out = help_of(command, capsys)
         examples += re.findall(r"^  (hf-scale [^#\n]*?)\s*(?:#.*)?$", out, re.MULTILINE)
+    # A LLaMA-2 config needs its GPUs and weights: its launch is run on the tiny model by the test the README names.
+    examples = [example for example in examples if "--config llama2_" not in example and "_llama2_" not in example]
     study_file = "outputs/search-tiny-cpu/optuna_study.db"
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna_study.db'}", study_name="hf_scale")
     study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=3)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import torch
 from optuna.trial import TrialState
 from peft import PeftModel
 from transformers.integrations import is_deepspeed_zero3_enabled
@@ -29,6 +30,7 @@ from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.hpo import sync
 from hf_scale.hpo.lora import fast_path_applies, unload
 from hf_scale.hpo.objective import metric_objective, objective_metric, resolve_direction
+from hf_scale.hpo.parallel import JOURNAL_FILE, run_workers, worker_id
 from hf_scale.hpo.settings import SEARCH_FIELDS, SearchArguments
 from hf_scale.hpo.space import default_hp_space
 from hf_scale.hpo.storage import DEFAULT_STUDY_FILE, JournalHeartbeat, open_storage, quiet_experimental
@@ -45,7 +47,7 @@ from hf_scale.safety import mask_secrets
 # Arguments of create_study and optimize that the search takes as HF's Optuna backend does, beside SearchArguments.
 STUDY_KWARGS = {"sampler", "load_if_exists"}
 OPTIMIZE_KWARGS = {"n_jobs", "gc_after_trial", "catch", "callbacks", "show_progress_bar"}
-PRUNERS = ("median", "hyperband", "none")
+PRUNERS = ("median", "asha", "hyperband", "none")
 
 
 class TrialFailed(RuntimeError):
@@ -62,7 +64,8 @@ class BestTrial(TrialPlan):
 
 def say(message: str) -> None:
     if sync.rank() == 0:
-        print(f"hf_scale hpo: {message}", flush=True)
+        worker = worker_id()
+        print(f"hf_scale hpo{f' [worker {worker}]' if worker else ''}: {message}", flush=True)
 
 
 def make_pruner(
@@ -73,7 +76,10 @@ def make_pruner(
 
     median: a trial is stopped when its value at an evaluation is worse than the median of the earlier trials' values
     at the same evaluation, once `startup_trials` trials have finished and after its first `warmup_evaluations`
-    evaluations. hyperband: successive halving over brackets, from 1 evaluation to as many as a full trial makes.
+    evaluations. asha: asynchronous successive halving (Optuna's SuccessiveHalvingPruner): at evaluations 1, 3,
+    9, ... a trial goes on only when it is in the best third of the trials that reached that evaluation, decided
+    as each trial gets there, so parallel workers never wait for each other. hyperband: successive halving over
+    brackets, from 1 evaluation to as many as a full trial makes.
     """
     if name not in PRUNERS:
         raise ConfigError(f"pruner: unknown pruner {name!r}; choose one of {', '.join(PRUNERS)}")
@@ -81,6 +87,8 @@ def make_pruner(
         raise ConfigError("pruner: startup_trials and warmup_evaluations must be >= 0")
     if name == "none":
         return optuna.pruners.NopPruner()
+    if name == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
     if name == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=1, max_resource="auto", reduction_factor=3)
     # Optuna never prunes at a step below n_warmup_steps; steps here start at evaluation 1.
@@ -105,7 +113,7 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[SearchArguments, dict[str, Any
     if optimize.pop("n_jobs", 1) != 1:
         raise ConfigError(
             "n_jobs: a distributed search runs one trial at a time per worker (all processes train it); "
-            "run more workers on one study instead"
+            "use parallel_trials for several trials at once"
         )
     return SearchArguments(**settings), study, optimize
 
@@ -129,6 +137,10 @@ class Search:
         args = trainer.args
         if settings.n_trials < 1:
             raise ConfigError(f"n_trials: must be at least 1, got {settings.n_trials}")
+        if settings.parallel_trials < 1:
+            raise ConfigError(f"parallel_trials: must be at least 1, got {settings.parallel_trials}")
+        # The process that starts the workers of a parallel search runs no trial itself.
+        self.launches_workers = settings.parallel_trials > 1 and worker_id() is None
         self.direction = resolve_direction(
             settings.direction if direction is None else direction, compute_objective, args
         )
@@ -158,14 +170,22 @@ class Search:
         self.study_best: float | None = None  # the study's best value when the running trial started
         self.deadline = time.time() + settings.timeout if settings.timeout else None
         self.peers_gone = False
+        self.storage: optuna.storages.BaseStorage | None = None
         self.journal_heartbeat: JournalHeartbeat | None = None
         self.outcomes: list[dict[str, Any]] = []  # this worker's trials, for tests and the benchmark
 
     # ---- rank 0: the study ----
 
+    def default_storage(self) -> str:
+        """The study file in output_dir: a journal for parallel workers (one SQLite file locks them out in turn)."""
+        output_dir = Path(self.output_dir).resolve()
+        if self.settings.parallel_trials > 1 or (output_dir / JOURNAL_FILE).exists():
+            return f"journal:{output_dir / JOURNAL_FILE}"
+        return f"sqlite:///{output_dir / DEFAULT_STUDY_FILE}"
+
     def open_study(self) -> optuna.Study:
         settings = self.settings
-        spec = settings.storage or f"sqlite:///{Path(self.output_dir).resolve() / DEFAULT_STUDY_FILE}"
+        spec = settings.storage or self.default_storage()
         storage = self.study_kwargs.get("storage")  # an Optuna storage object, used as it is
         where = type(storage).__name__ if storage is not None else mask_secrets(spec)
         if storage is None:
@@ -183,6 +203,7 @@ class Search:
             )
         except ValueError as error:  # e.g. the stored study has other directions
             raise ConfigError(f"storage {where}, study {settings.study_name!r}: {error}") from None
+        self.storage = storage
         if isinstance(storage, optuna.storages.JournalStorage):
             self.journal_heartbeat = JournalHeartbeat(
                 study, storage, settings.heartbeat_interval, settings.grace_period, settings.max_retry
@@ -191,12 +212,15 @@ class Search:
         sampler = self.study_kwargs.get("sampler")
         if sampler is None:
             seed = settings.sampler_seed
+            shared = settings.storage is not None or settings.parallel_trials > 1
             if seed is None:
                 # A resumed study must not replay its first trials' values.
                 seed = self.trainer.args.seed + existing
-                if settings.storage:  # a shared study: workers that start together must not sample alike
+                if shared:  # workers that start together must not sample alike
                     seed += hash((socket.gethostname(), os.getpid())) % 100_000
-            sampler = optuna.samplers.TPESampler(seed=seed)
+            # constant_liar: a worker's sampler counts the other workers' running trials as bad, so that workers
+            # asking at the same time do not all pick the same region.
+            sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=shared)
         study.sampler = sampler
         say(
             f"study {settings.study_name!r} in {where} with {existing} trial(s) already; "
@@ -250,6 +274,8 @@ class Search:
         trial.set_user_attr("run_name", run_name)
         trial.set_user_attr("output_dir", str(Path(self.output_dir).resolve() / trial_folder(trial.number)))
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        if worker_id() is not None:
+            trial.set_user_attr("parallel_worker", worker_id())  # the launcher fails it if this worker dies
         say(f"trial {trial.number}: {json.dumps(params, default=str)}")
         sync.broadcast(plan)
         if self.journal_heartbeat is not None:
@@ -293,15 +319,16 @@ class Search:
             raise ConfigError(f"trial {plan.number} cannot run: {aborted[0].error}")
 
     def after_trial(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
-        """Optuna callback, after the user's: delete this worker's trial checkpoints except the best trial's (the
-        search keeps O(1) checkpoints); stop the study when it is time."""
-        keep = None
+        """Optuna callback, after the user's: delete the checkpoints of the finished trials except the best trial's
+        (the search keeps O(1) checkpoints; a trial still running, here or on another worker, keeps its own); stop
+        the study when it is time."""
+        best = None
         with contextlib.suppress(ValueError):  # no complete trial yet
-            keep = Path(self.output_dir).resolve() / trial_folder(study.best_trial.number)
-        for folder in Path(self.output_dir).glob("trial-*"):
-            if folder.resolve() != keep:
-                for checkpoint in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
-                    shutil.rmtree(checkpoint, ignore_errors=True)
+            best = study.best_trial.number
+        finished = {t.number for t in study.get_trials(deepcopy=False) if t.state.is_finished()} - {best}
+        for number in finished:
+            for checkpoint in (Path(self.output_dir) / trial_folder(number)).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+                shutil.rmtree(checkpoint, ignore_errors=True)
         if self.stop_reason() is not None:
             study.stop()
 
@@ -338,6 +365,15 @@ class Search:
         if fast_path_applies(model, self.settings.lora_fast_path):
             self.lora_base = unload(model)
 
+    def free_device_for_workers(self) -> None:
+        """The launcher holds no model while its workers train: the best trial's is built again at the end (a kept
+        LoRA base stays only when there is no model_init to build one)."""
+        if self.trainer.model_init is not None:
+            self.lora_base = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # memory held by this process's cache is memory no worker can have
+
     def best_trial(self) -> BestTrial | str:
         """Rank 0: the best trial, or why there is none."""
         study = self.study
@@ -363,12 +399,22 @@ class Search:
         gc.collect()
         gc.freeze()
         try:
-            if sync.rank() == 0:
+            if self.launches_workers:
+                self.free_device_for_workers()
+                self.study = self.open_study()
+                say(f"search ends: {run_workers(self.study, self.storage, self.settings, say)}")
+            elif sync.rank() == 0:
                 self.lead()
             else:
                 self.follow()
         finally:
             gc.unfreeze()
+        if worker_id() is not None:
+            # A worker of a parallel search ends here, and its program with it: the launcher reloads the best trial.
+            say("no trial left for this worker")
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            raise SystemExit(0)
         best = sync.broadcast(self.best_trial() if sync.rank() == 0 else None)
         if isinstance(best, str):
             raise HfScaleError(f"hyperparameter_search: {best}")

@@ -8,6 +8,7 @@ the search recipe. `n_trials`, `timeout` and `direction` mean what they mean in 
 from dataclasses import dataclass, field, fields
 
 from hf_scale.errors import ConfigError
+from hf_scale.hpo.parallel import check_launched_alone
 
 # No `from __future__ import annotations`: HfArgumentParser reads these types at run time.
 
@@ -45,7 +46,10 @@ class SearchArguments:
     study_name: str = field(default="hf_scale", metadata={"help": "The study's name in the storage."})
     pruner: str = field(
         default="median",
-        metadata={"help": "median (default), hyperband or none."},
+        metadata={
+            "help": "median (default); asha (asynchronous successive halving: a trial goes on past evaluations 1, "
+            "3, 9, ... only when it is in the best third there, which suits parallel_trials); hyperband; none."
+        },
     )
     startup_trials: int = field(
         default=4, metadata={"help": "median pruner: trials that finish before any trial is pruned."}
@@ -79,6 +83,16 @@ class SearchArguments:
             "own (`ddp_timeout`), since one rank may take far longer than the others to load the model."
         },
     )
+    parallel_trials: int = field(
+        default=1,
+        metadata={
+            "help": "Trials run at once on this node, each by its own worker on 1/K of its GPUs (one process each on "
+            "CPU), all on one study (default storage: journal:output_dir/optuna_journal.log). Start the search as "
+            "one process (hf-scale search, python): it starts the K workers, replaces one that dies in a trial "
+            "(the trial is marked failed and queued again), then reloads the best trial and writes the report once. "
+            "For searches whose trial fits 1/K of the node (LoRA, QLoRA): no gradient traffic between trials."
+        },
+    )
     retrain_best: bool = field(
         default=False,
         metadata={
@@ -101,6 +115,9 @@ class SearchArguments:
             "already in the study, so a resumed search does not repeat the first trials' values."
         },
     )
+
+    def __post_init__(self):
+        check_launched_alone(self.parallel_trials)  # at parsing, before the data and the model are loaded
 
 
 SEARCH_FIELDS = {f.name for f in fields(SearchArguments)}

@@ -91,6 +91,25 @@ def open_storage(
     raise ConfigError(f"storage {mask_secrets(spec)}: another worker kept creating its tables")
 
 
+def fail_trial(
+    study: optuna.Study,
+    storage: optuna.storages.BaseStorage,
+    number: int,
+    retry: RetryHeartbeatStaleTrialCallback | None,
+) -> bool:
+    """Mark a dead worker's running trial FAIL, and queue it again through `retry` (which keeps to its max_retry);
+    False when another worker or check finished it first."""
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(study.study_name), number)
+    try:
+        if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+            return False
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    if retry is not None:
+        retry(study, storage.get_trial(trial_id))
+    return True
+
+
 class JournalHeartbeat:
     """A heartbeat for the journal storage, kept as a trial system attribute (Optuna's covers RDB storages only)."""
 
@@ -117,18 +136,12 @@ class JournalHeartbeat:
     def fail_stale(self) -> list[int]:
         """Mark FAIL (and queue again) every running trial whose heartbeat is older than the grace period."""
         now = time.time()
-        failed = []
-        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            beat = trial.system_attrs.get(HEARTBEAT_KEY, trial.datetime_start.timestamp())
-            if now - beat > self.grace:
-                trial_id = self.trial_id(trial.number)
-                try:
-                    if self.storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
-                        failed.append(trial.number)
-                        self.retry(self.study, self.storage.get_trial(trial_id))
-                except optuna.exceptions.UpdateFinishedTrialError:
-                    pass  # another worker failed it first
-        return failed
+        stale = [
+            trial.number
+            for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if now - trial.system_attrs.get(HEARTBEAT_KEY, trial.datetime_start.timestamp()) > self.grace
+        ]
+        return [number for number in stale if fail_trial(self.study, self.storage, number, self.retry)]
 
     def start(self, trial_number: int) -> None:
         self._stop.clear()

@@ -13,6 +13,11 @@ On GPU nodes, a config picks the model, the data, the trial length and the searc
     accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml -m hf_scale.cli search \\
         --config search_llama2_7b_lora
 
+Several trials at once on one node, each on its share of the GPUs (started as one process, which starts the
+workers, then reloads the best trial and reports once):
+
+    hf-scale search --config search_llama2_7b_lora --parallel_trials 4 --pruner asha
+
 Several nodes can work on one study: give every worker the same `storage` (a PostgreSQL URL, or journal:PATH on a
 shared filesystem) and start one launch per node; each runs its own trials, the study holds them all, and the search
 ends when the study holds n_trials. An interrupted search started again with the same output_dir (or storage)

@@ -48,6 +48,8 @@ def test_qlora_learning_prints_both_means(trained_tiny_run, tmp_path):
     runs, summary = report["runs"], report["summary"]
     assert all(run["adapter_only"] for method in ("lora", "qlora") for run in runs[method])
     assert summary["qlora_minus_lora"] == pytest.approx(runs["qlora"][0]["after"] - runs["lora"][0]["after"])
-    line = f"{3:>6} {runs['lora'][0]['after']:>8.3f} {runs['qlora'][0]['after']:>8.3f}"
+    line = f"{3:>6}{runs['lora'][0]['after']:>11.3f}{runs['qlora'][0]['after']:>11.3f}"
     assert line in result.stdout.splitlines()
+    before = f"before, mean over seeds: LoRA {runs['lora'][0]['before']:.3f}, QLoRA {runs['qlora'][0]['before']:.3f}"
+    assert before in result.stdout  # the base's own score (the quick setting's base already knows the task)
     assert re.search(r"QLoRA - LoRA \(means\): [+-][0-9.]+; within 0.1 either way: (yes|no); QLoRA not", result.stdout)

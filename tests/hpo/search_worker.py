@@ -48,6 +48,7 @@ def options() -> argparse.Namespace:
     parser.add_argument("--storage", default=None)
     parser.add_argument("--study_name", default="hf_scale")
     parser.add_argument("--pruner", default="median")
+    parser.add_argument("--parallel_trials", type=int, default=1)
     parser.add_argument("--startup_trials", type=int, default=3)
     parser.add_argument("--heartbeat_interval", type=int, default=60)
     parser.add_argument("--grace_period", type=int, default=None)
@@ -211,6 +212,7 @@ def main() -> None:
         lora_fast_path=opts.lora_fast_path == "true",
         retrain_best=opts.retrain_best,
         trial_end_timeout=opts.trial_end_timeout,
+        parallel_trials=opts.parallel_trials,
         **extra,
     )
     seconds = time.time() - started

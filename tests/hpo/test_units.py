@@ -131,8 +131,9 @@ def test_pruners():
     assert median._n_startup_trials == 4 and median._n_warmup_steps == 2  # evaluation 1 is never pruned
     assert isinstance(make_pruner("hyperband"), optuna.pruners.HyperbandPruner)
     assert isinstance(make_pruner("none"), optuna.pruners.NopPruner)
-    with pytest.raises(ConfigError, match="unknown pruner 'asha'"):
-        make_pruner("asha")
+    assert isinstance(make_pruner("asha"), optuna.pruners.SuccessiveHalvingPruner)
+    with pytest.raises(ConfigError, match="unknown pruner 'sha'"):
+        make_pruner("sha")
 
 
 def test_kwargs_are_split_and_checked():
