@@ -167,6 +167,17 @@ def test_recipes_copy_gives_the_recipe_to_edit(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "my_finetune.py").read_text() == "# edited\n"
 
 
+def test_plan_figures_of_the_four_gpu_search_estimate_are_the_readmes(capsys):
+    """The README's estimate for 4 trials at once on 4x4090 quotes the qlora row's communication and compute."""
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+    command = re.search(r"`hf-scale (plan --model \S+ --gpu rtx4090-24g --gpus 4 [^`]*)` plans ([\d.]+) s of", readme)
+    compute = re.search(r"plans [\d.]+ s of all-reduce against ([\d.]+) s of compute per QLoRA step", readme)
+    assert command and compute
+    assert main(command.group(1).split()) == 0
+    (row,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("qlora ")]
+    assert (row[9], row[10]) == (command.group(2), compute.group(1))
+
+
 def test_plan_qlora_row_says_what_fits_a_4090_as_the_readme_shows(capsys):
     """`hf-scale plan ... --lora-r 16 --quantization nf4` for 7B, 13B and 70B on one 4090: the README's QLoRA table."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()

@@ -77,11 +77,16 @@ RUN_BY = {
     "test_package.py::test_accelerate_launch_of_the_installed_cli_trains_on_two_processes",
     "python bench/data_pipeline.py": "tests/bench/test_benches.py::test_data_pipeline_prints_both_sets",
     "python bench/hpo.py": "tests/bench/test_benches.py::test_hpo_prints_both_backends_and_the_speed_ups",
+    "python bench/hpo.py --only budget --budget 300 --budget_seeds 1,2,3,4,5": "tests/bench/test_benches.py::"
+    "test_hpo_budget_part_prints_the_three_ways_and_the_ratio",
+    "hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu rtx4090-24g --gpus 4 --micro-batch 4 --lora-r 16 "
+    "--quantization nf4 --grad-ckpt": "tests/test_cli.py::"
+    "test_plan_figures_of_the_four_gpu_search_estimate_are_the_readmes",
     "hf-scale search --parallel_trials 2": "tests/hpo/test_parallel.py::"
     "test_hf_scale_search_with_two_parallel_trials_and_hyperband_completes_the_budget",
     # On GPUs what the CPU test runs with 2 workers: the same launcher, one process per worker there.
     "hf-scale search --config search_llama2_7b_lora --parallel_trials 4": "tests/hpo/test_parallel.py::"
-    "test_hf_scale_search_with_two_parallel_trials_and_hyperband_completes_the_budget",
+    "test_shipped_lora_search_in_parallel_then_relaunched_goes_on_with_its_study",
     "python bench/qlora_learning.py": "tests/bench/test_benches.py::test_qlora_learning_prints_both_means",
     "hf-scale plan": "tests/test_readme.py::test_hf_scale_commands_print_what_the_readme_shows",
     "hf-scale plan ...": "tests/test_cli.py::test_plan_prints_the_table_and_the_recommendation",

@@ -220,7 +220,8 @@ class Search:
                     seed += hash((socket.gethostname(), os.getpid())) % 100_000
             # constant_liar: a worker's sampler counts the other workers' running trials as bad, so that workers
             # asking at the same time do not all pick the same region.
-            sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=shared)
+            with quiet_experimental():  # constant_liar is marked experimental; every worker would warn
+                sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=shared)
         study.sampler = sampler
         say(
             f"study {settings.study_name!r} in {where} with {existing} trial(s) already; "

@@ -14,7 +14,7 @@ import pytest
 
 from hf_scale.errors import ConfigError
 from hf_scale.hpo import SearchArguments, parallel
-from tests.helpers import REPO_ROOT, assert_succeeded, launch_env, python_bin, run_command
+from tests.helpers import REPO_ROOT, SHARED_DATA, assert_succeeded, launch_env, python_bin, run_command
 from tests.hpo.conftest import WORKER
 
 pytestmark = pytest.mark.slow
@@ -148,6 +148,35 @@ def test_hf_scale_search_with_two_parallel_trials_and_hyperband_completes_the_bu
     assert result.stdout.count("trials table and plots in") == 1
     best = json.loads((output_dir / "best_run.json").read_text())
     assert (int(best["best_trial"]), best["objective"]) == (study.best_trial.number, study.best_value)
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
+def test_shipped_lora_search_in_parallel_then_relaunched_goes_on_with_its_study(tmp_path, tiny_model_dir):
+    """The README's line for the shipped LoRA search (bf16, gradient checkpointing), shrunk as the config tests shrink
+    it; launched again with a larger n_trials, it adds trials to the same journal study."""
+    output_dir = tmp_path / "search"
+    command = [python_bin("python"), "-m", "hf_scale.cli", "search", "--config", "search_llama2_7b_lora"]
+    command += ["--parallel_trials", "2", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(output_dir)]
+    command += ["--dataset", str(SHARED_DATA / "alpaca_zh_demo.json"), "--max_steps", "4", "--eval_steps", "2"]
+    command += ["--per_device_batches", "2", "--effective_batch_min", "4", "--effective_batch_max", "8"]
+    command += ["--use_cpu", "true"]  # bf16 on one CPU process: transformers asks for it (2 processes get it set)
+    outputs = []
+    for n_trials in (2, 3):
+        result = run_command([*command, "--n_trials", str(n_trials)], timeout=500)
+        assert_succeeded(result, result.stdout[-3000:] + result.stderr[-3000:])
+        outputs.append(result.stdout)
+    assert "with 2 trial(s) already" in outputs[1]
+    study = journal_study(output_dir)
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3  # 2 evaluations: the median pruner waits
+    ran_by = assert_every_trial_started_once("\n".join(outputs), study)
+    assert sorted(int(number) for _, number in TRIAL_STARTED.findall(outputs[1])) == [2]  # only the new one
+    assert len({worker for number, worker in ran_by.items() if number < 2}) == 2  # the first two ran side by side
+    assert all({"lora_r", "lora_alpha", "learning_rate"} <= t.params.keys() for t in study.trials)
+    best = json.loads((output_dir / "best_run.json").read_text())
+    assert (int(best["best_trial"]), best["objective"]) == (study.best_trial.number, study.best_value)
+    assert (output_dir / "best-model" / "adapter_model.safetensors").is_file()
+    assert not (output_dir / "best-model" / "model.safetensors").exists()  # adapters only
+    assert all(output.count("trials table and plots in") == 1 for output in outputs)
 
 
 @pytest.mark.parametrize(
