@@ -22,8 +22,8 @@ to 2000 trials (more than any of them finishes) runs three ways on the same 2 co
 processes) `--budget` seconds after its search is called: (a) the stock backend on 2 processes (DDP, so without
 pruning; its own `timeout` would leave rank 1 waiting for trials rank 0 never starts), (b) hf_scale on 2 processes
 (DDP, median pruning), (c) hf_scale with `parallel_trials=2` (two single-process trials at once, median pruning, one
-journal study). Every evaluation and
-every trial's end is stamped with the wall clock, counted from the call (so (c) pays for starting its workers).
+journal study). Every evaluation and every trial's end is stamped with the wall clock, counted from the call (so (c)
+pays for starting its workers).
 Printed: the best eval loss each reached within the budget and within half of it, and trials finished per hour (over
 the time the search ran, should it finish its trials first); the criteria: (c)'s best at half the budget against (a)'s
 at the whole, and (c)'s trials per hour against (a)'s.

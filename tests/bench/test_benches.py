@@ -40,36 +40,20 @@ def test_hpo_prints_both_backends_and_the_speed_ups(tiny_model_dir):
 
 def test_hpo_budget_part_prints_the_three_ways_and_the_ratio(tiny_model_dir):
     """One seed under a short budget, short trials: every way is started, killed at the budget, and has its row."""
-    result = run_command(
-        [
-            sys.executable,
-            "bench/hpo.py",
-            "--only",
-            "budget",
-            "--budget",
-            "10",
-            "--budget_seeds",
-            "1",
-            "--steps",
-            "8",
-            "--eval_steps",
-            "4",
-        ],
-        600,
-    )
+    quick = ["--only", "budget", "--budget", "20", "--budget_seeds", "1", "--steps", "8", "--eval_steps", "4"]
+    result = run_command([sys.executable, "bench/hpo.py", *quick], timeout=600)
     assert_succeeded(result, result.stdout[-3000:] + result.stderr[-3000:])
     finished = re.findall(
-        r"budget 10 s, seed 1, \((\w)\) (\w+) x(\d) trials x(\d): best .*, (\d+) trials", result.stdout
+        r"budget 20 s, seed 1, \((\w)\) (\w+) x(\d) trials x(\d): best .*, (\d+) trials", result.stdout
     )
-    assert [row[:4] for row in finished] == [
-        ("a", "stock", "2", "1"),
-        ("b", "hf_scale", "2", "1"),
-        ("c", "hf_scale", "1", "2"),
-    ]
-    assert all(int(row[4]) >= 1 for row in finished[:2])  # 10 s hold a few trials of 8 steps
-    assert len(re.findall(r"^ +1 .* (yes|no)$", result.stdout, re.MULTILINE)) == 1  # the table's one seed
+    ways = [("a", "stock", "2", "1"), ("b", "hf_scale", "2", "1"), ("c", "hf_scale", "1", "2")]
+    assert [row[:4] for row in finished] == ways, result.stdout[-3000:]
+    assert all(int(row[4]) >= 1 for row in finished[:2]), finished  # 20 s hold several trials of 8 steps
+    table_rows = re.findall(r"^ +1 .* (yes|no)$", result.stdout, re.MULTILINE)  # the table's one seed
+    assert len(table_rows) == 1, result.stdout[-3000:]
     rates = re.search(r"trials per hour: \(a\) (\d+), \(b\) (\d+), \(c\) (\d+); \(c\)/\(a\) ([0-9.]+)x", result.stdout)
-    assert rates and float(rates.group(4)) == pytest.approx(int(rates.group(3)) / int(rates.group(1)), rel=0.01)
+    assert rates, result.stdout[-3000:]
+    assert float(rates.group(4)) == pytest.approx(int(rates.group(3)) / int(rates.group(1)), rel=0.01)
 
 
 def test_qlora_learning_prints_both_means(trained_tiny_run, tmp_path):
