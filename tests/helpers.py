@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from hf_scale.hpo.parallel import free_port  # noqa: F401 (tests import it from here)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -55,12 +56,6 @@ def assert_succeeded(result: subprocess.CompletedProcess, message: str = "") -> 
 def python_bin(name: str) -> str:
     """A console script (torchrun, accelerate, deepspeed) from the environment running the tests."""
     return str(Path(sys.executable).parent / name)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun(script: str, *args: str, processes: int = 2, max_restarts: int = 0) -> list[str]:

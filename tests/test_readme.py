@@ -113,7 +113,7 @@ RUN_BY = {
     "hf-scale report STUDY": "tests/hpo/test_units.py::test_report_command_reads_a_study_file",
     "accelerate launch": "tests/recipes/test_configs_as_shipped.py::"
     "test_config_launched_as_shipped_trains_and_saves_what_loads",
-    "torchrun --max_restarts 10": "tests/distributed/test_kills_during_saves.py::"
+    "torchrun --max_restarts 6": "tests/distributed/test_kills_during_saves.py::"
     "test_zero2_killed_during_saves_again_and_again_ends_with_the_unbroken_weights",
     "torchrun --max_restarts N --rdzv_backend c10d --rdzv_endpoint HOST:PORT": "tests/test_distributed.py::"
     "test_restarts_that_would_hang_are_refused_before_the_process_group_starts",

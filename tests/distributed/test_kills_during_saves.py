@@ -1,8 +1,10 @@
 """Under ZeRO-2 on 2 processes, SIGKILLs at random moments of checkpoint saves never cost the run its weights.
 
-`torchrun --max_restarts 10` restarts the job after each kill; in each of the first 10 attempts a rank drawn at
+`torchrun --max_restarts 6` restarts the job after each kill; in each of the first 6 attempts a rank drawn at
 random kills itself 0-50 ms into the attempt's first save (kills.jsonl says what was on disk then), and each
-attempt resumes from the newest complete checkpoint; with a save every step, all 10 kills land before step 20.
+attempt resumes from the newest complete checkpoint; with a save every step, all 6 kills land before step 20.
+Six kills, not more: each restart re-imports both ranks (about 10 s), and a ZeRO-2 save of the tiny model takes
+longer than 50 ms, so most kills tear one (9 of 10 in a measured run).
 The run must end with exactly the unbroken run's weights. A single process killed 20 times during saves is
 tests/test_checkpoints.py; one rank killed after a save is test_resume.py.
 """
@@ -15,7 +17,7 @@ import pytest
 from hf_scale.checkpoints import checkpoints, is_complete
 from tests.helpers import assert_same_weights, assert_succeeded, run_command, torchrun
 
-KILLS = 10
+KILLS = 6
 FLAGS = [
     "--max_steps", "20", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
     "--zero_preset", "zero2", "--kill_during_saves", str(KILLS),
@@ -32,7 +34,7 @@ def test_zero2_killed_during_saves_again_and_again_ends_with_the_unbroken_weight
     assert [kill["attempt"] for kill in kills] == list(range(KILLS))
     assert len(re.findall(r"failed \(exitcode: -9\)", result.stderr)) == KILLS  # torchrun saw each one die
     torn = sum(not kill["complete"] for kill in kills)
-    assert torn >= 3, f"only {torn} of {KILLS} kills landed inside a save: the test would prove little"
+    assert torn >= 2, f"only {torn} of {KILLS} kills landed inside a save: the test would prove little"
     assert all(is_complete(folder) for folder in checkpoints(tmp_path))  # torn ones were removed on resume
 
     unbroken = reference_run("zero2").folder
