@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_scale.hpo.parallel import free_port  # noqa: F401 (tests import it from here)
+from hf_scale.hpo.parallel import free_port  # tests import it from here too
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

@@ -187,7 +187,7 @@ def ascending_after(step: int) -> type[ScaleTrainer]:
 def killed_during_a_save(attempt: int, rank: int, output_dir: Path) -> type[ScaleTrainer]:
     """A ScaleTrainer of which one rank, drawn per attempt, is SIGKILLed 0-50 ms into the attempt's first save.
 
-    A ZeRO-2 save of the tiny model takes about 35 ms, so most kills land inside it.
+    A ZeRO-2 save of the tiny model takes about 35-50 ms, so most kills land inside it.
     """
     draw = random.Random(attempt)
     victim, delay = draw.randrange(2), draw.uniform(0, 0.05)

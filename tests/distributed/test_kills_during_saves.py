@@ -3,8 +3,10 @@
 `torchrun --max_restarts 6` restarts the job after each kill; in each of the first 6 attempts a rank drawn at
 random kills itself 0-50 ms into the attempt's first save (kills.jsonl says what was on disk then), and each
 attempt resumes from the newest complete checkpoint; with a save every step, all 6 kills land before step 20.
-Six kills, not more: each restart re-imports both ranks (about 10 s), and a ZeRO-2 save of the tiny model takes
-longer than 50 ms, so most kills tear one (9 of 10 in a measured run).
+Six kills, not more: each restart re-imports both ranks (about 10 s). The delays come from the attempt number, so
+they are the same in every run (the first six: 38, 29, 5, 30, 15, 37 ms), and a ZeRO-2 save of the tiny model takes
+about 35-50 ms: most kills tear a save (9 of 10 and 6 of 6 in two measured runs); fewer than 2 would mean saves
+of under about 15 ms.
 The run must end with exactly the unbroken run's weights. A single process killed 20 times during saves is
 tests/test_checkpoints.py; one rank killed after a save is test_resume.py.
 """
