@@ -6,7 +6,7 @@ TORCH := torch==2.13.0
 # Compiled DeepSpeed ops (deepspeed_shm_comm, cpu_adam) are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install ops demo test bench lint clean
+.PHONY: install ops demo test check bench lint clean
 
 install: $(VENV)/.installed
 
@@ -28,9 +28,16 @@ ops:
 demo: install
 	$(BIN)/accelerate launch recipes/finetune_llama2.py
 
+# The whole suite on 3 pytest-xdist workers for 2 cores: a third fills the time the others wait on timeouts, restarts
+# and collectives (tests/README.md: the tiers, shared runs, the preloaded launcher).
 test: install
 	$(BIN)/ruff check hf_scale recipes tests bench
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra -n 3 --durations=15
+
+# The fast tier, for the edit-test loop: every test that launches no process, plus one 2-process smoke run.
+check: install
+	$(BIN)/ruff check hf_scale recipes tests bench
+	HF_SCALE_TEST_TIER=fast $(BIN)/python -m pytest -q -ra -n 2 -m "not slow or smoke" --durations=10
 
 bench: install
 	$(BIN)/python bench/trainer_overhead.py

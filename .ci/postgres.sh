@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A PostgreSQL server on loopback for the hyperparameter search's scale-out test (tests/hpo/test_postgres.py).
-# Source it from .ci/run: it exports HF_SCALE_TEST_POSTGRES_URL. It never fails the run: without a server the test
-# skips and says why. Debian's package; the cluster lives in a throw-away folder, port 55432, owned by `postgres`.
+# Source it from .ci/run: it exports HF_SCALE_TEST_POSTGRES_URL. It does not stop the script itself: without a server
+# the test fails in CI (CI=true) and skips elsewhere, saying why. Debian's package; the cluster lives in a throw-away
+# folder, port 55432, owned by `postgres`.
 hf_scale_postgres() {
     local port=55432 data=/tmp/hf_scale_postgres log=/tmp/hf_scale_postgres.log password=hpo-ci-password bin
     bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1) || true
@@ -11,7 +12,7 @@ hf_scale_postgres() {
         bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1) || true
     fi
     if [ -z "$bin" ] || ! id postgres >/dev/null 2>&1; then
-        echo "postgres.sh: no PostgreSQL server installed; the scale-out test will skip"
+        echo "postgres.sh: no PostgreSQL server installed; the scale-out test cannot run"
         return 0
     fi
     if [ ! -f "$data/PG_VERSION" ]; then

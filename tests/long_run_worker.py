@@ -1,8 +1,10 @@
 """A long bf16 run with an evaluation after every step; writes what accumulates to rank<N>.json.
 
 Launched by tests/test_long_runs.py with torchrun (1 or 2 processes); not a test itself. Each evaluation records
-how many wrappers `forward` has (the model's and the wrapper the loop trains) and the resident memory; each step its
-end time; each checkpoint the disk used by output_dir. Usage: long_run_worker.py OUTPUT_DIR STEPS.
+how many wrappers `forward` has (the model's and the wrapper the loop trains) and the resident memory; each step the
+process's CPU time at its end (CPU, not wall time: what another job on the machine does between the first and the last
+hundred steps moves wall time, not the work a step takes); each checkpoint the disk used by output_dir.
+Usage: long_run_worker.py OUTPUT_DIR STEPS.
 """
 
 import json
@@ -45,7 +47,7 @@ class Watch(TrainerCallback):
         self.holder = trainer_holder
         self.depths: list[list[int]] = []
         self.resident: list[int] = []
-        self.step_ends: list[float] = []
+        self.step_ends: list[float] = []  # process CPU seconds
         self.disk: dict[int, int] = {}
         self.kept: dict[int, int] = {}
 
@@ -55,7 +57,7 @@ class Watch(TrainerCallback):
         self.resident.append(resident_bytes())
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.step_ends.append(time.perf_counter())
+        self.step_ends.append(time.process_time())
 
     def on_save(self, args, state, control, **kwargs):
         if args.should_save:
@@ -89,7 +91,7 @@ def main(output_dir: str, steps: int) -> None:
         "world_size": args.world_size,
         "depths": watch.depths,
         "resident": watch.resident,
-        "step_seconds": [b - a for a, b in zip(watch.step_ends, watch.step_ends[1:], strict=False)],
+        "step_cpu_seconds": [b - a for a, b in zip(watch.step_ends, watch.step_ends[1:], strict=False)],
         "disk": watch.disk,
         "kept": watch.kept,
         "checkpoint_bytes": folder_bytes(checkpoints(output_dir)[-1]) if args.should_save else None,

@@ -3,6 +3,7 @@ input, a real terminal) answering held-out questions with a trained run; a LoRA 
 
 from __future__ import annotations
 
+import io
 import json
 import shlex
 import shutil
@@ -22,7 +23,7 @@ from hf_scale.cli import main
 from hf_scale.data.multiturn import CONVERSATION_TEMPLATES, LLAMA2_CHAT_TEMPLATE
 from hf_scale.tiny import generate_tasks
 from hf_scale.tiny.build import build_sentencepiece_tokenizer
-from tests.helpers import REPO_ROOT, launch_env, run_command
+from tests.helpers import REPO_ROOT, launch_env, run_cli
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -138,11 +139,11 @@ def test_a_folder_without_a_model_is_one_line_naming_it(tmp_path, tiny_model_dir
 
 
 @pytest.mark.slow
-def test_a_run_without_a_chat_template_is_refused(trained_tiny_run, tmp_path):
+def test_a_run_without_a_chat_template_is_refused(trained_tiny_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained_tiny_run, run)
     (run / "chat_template.jinja").unlink()
-    result = run_command(chat_command(run, "--prompt", "What is 417 plus one?"), timeout=120)
+    result = run_cli(capsys, "chat", str(run), "--prompt", "What is 417 plus one?")
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -161,11 +162,11 @@ def reference(trained_tiny_run):
 
 
 @pytest.mark.slow
-def test_prompt_prints_only_the_answer(trained_tiny_run, reference):
+def test_prompt_prints_only_the_answer(trained_tiny_run, reference, capsys):
     records = questions(3)
     outputs = []
     for record in records:
-        result = run_command(chat_command(trained_tiny_run, "--prompt", record["instruction"]), timeout=120)
+        result = run_cli(capsys, "chat", str(trained_tiny_run), "--prompt", record["instruction"])
         assert result.returncode == 0, result.stderr[-3000:]
         outputs.append(result.stdout)
     # What transformers itself generates from the template's prompt, to the character, for every record...
@@ -177,22 +178,15 @@ def test_prompt_prints_only_the_answer(trained_tiny_run, reference):
 
 
 @pytest.mark.slow
-def test_standard_input_is_one_conversation_one_answer_per_line(trained_tiny_run, reference):
+def test_standard_input_is_one_conversation_one_answer_per_line(trained_tiny_run, reference, capsys, monkeypatch):
     records = questions(20)
     lines = []
     for record in records[:-1]:
         lines += [record["instruction"], "/reset"]
     lines[-1] = records[-1]["instruction"]  # asked after records[-2] and its answer: a two-turn conversation
-    result = subprocess.run(
-        chat_command(trained_tiny_run),
-        input="\n".join(lines) + "\n",
-        cwd=REPO_ROOT,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    # The reference's budget of new tokens: an answer that does not end (the two-turn one may not) is cut alike.
+    result = run_cli(capsys, "chat", str(trained_tiny_run), "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr[-3000:]
     answers = result.stdout.splitlines()
     assert len(answers) == len(records), result.stdout
@@ -260,7 +254,7 @@ def test_a_terminal_conversation_streams_answers(trained_tiny_run, tmp_path, lea
 
 
 @pytest.mark.slow
-def test_a_lora_run_answers_with_its_adapter_on_its_base(trained_tiny_lora_run):
+def test_a_lora_run_answers_with_its_adapter_on_its_base(trained_tiny_lora_run, capsys):
     from peft import PeftModel
 
     base_path = json.loads((trained_tiny_lora_run / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -273,6 +267,6 @@ def test_a_lora_run_answers_with_its_adapter_on_its_base(trained_tiny_lora_run):
     assert expected != base_answers  # the adapter changes the answers, so the comparison below can tell
     for record, answer in zip(questions(3), expected, strict=True):
         flags = ["--prompt", record["instruction"], "--max-new-tokens", "8"]
-        result = run_command(chat_command(trained_tiny_lora_run, *flags), timeout=120)
+        result = run_cli(capsys, "chat", str(trained_tiny_lora_run), *flags)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout == answer + "\n"

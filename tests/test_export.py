@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_scale.cli import main
 from hf_scale.export import CARD_EXAMPLE_MESSAGE, export_run
 from hf_scale.tiny import generate_tasks
-from tests.helpers import assert_same_weights, assert_succeeded, run_command, torchrun
+from tests.helpers import assert_same_weights, assert_succeeded, run_cli, run_command, torchrun
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -85,8 +85,8 @@ print("RESULT " + json.dumps(result))
 )
 
 
-def export(run_dir: Path, out: Path, *flags: str):
-    return run_command([sys.executable, "-m", "hf_scale.cli", "export", str(run_dir), str(out), *flags], timeout=300)
+def export(capsys, run_dir: Path, out: Path, *flags: str):
+    return run_cli(capsys, "export", str(run_dir), str(out), *flags)
 
 
 def load_without_hf_scale(folder: Path, instructions: list[str]) -> dict:
@@ -107,11 +107,11 @@ def safetensors_dtypes(file: Path) -> set[torch.dtype]:
 
 
 @pytest.mark.slow
-def test_merged_lora_export_answers_as_the_adapter_does_without_hf_scale(trained_tiny_lora_run, tmp_path):
+def test_merged_lora_export_answers_as_the_adapter_does_without_hf_scale(trained_tiny_lora_run, tmp_path, capsys):
     from peft import PeftModel
 
     out = tmp_path / "merged"
-    result = export(trained_tiny_lora_run, out, "--merge-lora")
+    result = export(capsys, trained_tiny_lora_run, out, "--merge-lora")
     assert_succeeded(result)
     assert "LoRA merged into its base" in result.stdout and "float32" in result.stdout
 
@@ -141,7 +141,7 @@ def test_merged_lora_export_answers_as_the_adapter_does_without_hf_scale(trained
 
 
 @pytest.mark.slow
-def test_qlora_export_merges_into_the_dequantized_base_it_trained_on(trained_tiny_qlora_run, tmp_path):
+def test_qlora_export_merges_into_the_dequantized_base_it_trained_on(trained_tiny_qlora_run, tmp_path, capsys):
     """A QLoRA run's adapter was trained on the NF4 base: the merged weights are that base dequantized plus the
     adapter's update, not the original weights plus the update."""
     import bitsandbytes as bnb
@@ -151,7 +151,7 @@ def test_qlora_export_merges_into_the_dequantized_base_it_trained_on(trained_tin
     run = trained_tiny_qlora_run
     assert not (run / "model.safetensors").exists() and (run / "adapter_model.safetensors").is_file()
     out = tmp_path / "merged"
-    assert_succeeded(result := export(run, out, "--merge-lora"))
+    assert_succeeded(result := export(capsys, run, out, "--merge-lora"))
     merged = load_file(out / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
 
     base_path = json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -170,12 +170,12 @@ def test_qlora_export_merges_into_the_dequantized_base_it_trained_on(trained_tin
 
 
 @pytest.mark.slow
-def test_lora_export_converts_dtype_or_copies_the_adapter(trained_tiny_lora_run, tmp_path):
-    result = export(trained_tiny_lora_run, tmp_path / "bf16", "--merge-lora", "--dtype", "bfloat16")
+def test_lora_export_converts_dtype_or_copies_the_adapter(trained_tiny_lora_run, tmp_path, capsys):
+    result = export(capsys, trained_tiny_lora_run, tmp_path / "bf16", "--merge-lora", "--dtype", "bfloat16")
     assert_succeeded(result)
     assert safetensors_dtypes(tmp_path / "bf16" / "model.safetensors") == {torch.bfloat16}
 
-    result = export(trained_tiny_lora_run, tmp_path / "adapter")
+    result = export(capsys, trained_tiny_lora_run, tmp_path / "adapter")
     assert_succeeded(result)
     assert "needs peft and the base model" in result.stdout
     assert weight_files(tmp_path / "adapter") == ["adapter_model.safetensors"]
@@ -185,15 +185,15 @@ def test_lora_export_converts_dtype_or_copies_the_adapter(trained_tiny_lora_run,
     card = (tmp_path / "adapter" / "README.md").read_text()
     assert "library_name: peft" in card and "AutoPeftModelForCausalLM" in card
 
-    result = export(trained_tiny_lora_run, tmp_path / "refused", "--dtype", "float16")
+    result = export(capsys, trained_tiny_lora_run, tmp_path / "refused", "--dtype", "float16")
     assert result.returncode == 2 and "add --merge-lora" in result.stderr
     assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.slow
-def test_full_run_export_answers_as_the_run_and_its_card_tells_the_run(trained_tiny_run, tmp_path):
+def test_full_run_export_answers_as_the_run_and_its_card_tells_the_run(trained_tiny_run, tmp_path, capsys):
     out = tmp_path / "exported"
-    result = export(trained_tiny_run, out)
+    result = export(capsys, trained_tiny_run, out)
     assert_succeeded(result)
     assert "full model, float32" in result.stdout
     assert weight_files(out) == ["model.safetensors"]
@@ -262,7 +262,7 @@ def test_refuses_a_folder_with_no_model_before_any_work(tiny_model_dir, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_zero3_checkpoint_without_consolidated_weights_exports_the_trained_weights(tmp_path, tiny_model_dir):
+def test_zero3_checkpoint_without_consolidated_weights_exports_the_trained_weights(tmp_path, tiny_model_dir, capsys):
     # The zero3 preset saves consolidated weights (stage3_gather_16bit_weights_on_model_save) next to the ZeRO shards
     # in checkpoint-20. Without model.safetensors, that folder is what a ZeRO-3 config with the gather off writes:
     # the export must rebuild the same weights from the shards alone.
@@ -276,7 +276,7 @@ def test_zero3_checkpoint_without_consolidated_weights_exports_the_trained_weigh
     assert list((shards / "global_step20").glob("*_model_states.pt"))
 
     out = tmp_path / "exported"
-    result = export(shards, out)
+    result = export(capsys, shards, out)
     assert_succeeded(result)
     assert "consolidated from the DeepSpeed ZeRO checkpoint" in result.stdout
     assert weight_files(out) == ["model.safetensors"]

@@ -13,15 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, free_port, launch_env
+from tests.helpers import REPO_ROOT, free_port, launch_env, run_once
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """The bin/ folder of a fresh environment that has the hf_scale wheel installed."""
-    root = tmp_path_factory.mktemp("package")
+@pytest.fixture(scope="session")
+def installed(shared_dir) -> Path:
+    """The bin/ folder of a fresh environment that has the hf_scale wheel installed (built once per test run: two
+    builds at once would share the clone's build/ folder)."""
+    return run_once(shared_dir, "package", build_and_install) / "environment" / "bin"
+
+
+def build_and_install(root: Path) -> None:
     wheels, environment = root / "wheels", root / "environment"
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
     subprocess.run([*build, str(REPO_ROOT)], check=True, timeout=300, capture_output=True)
@@ -33,7 +37,6 @@ def installed(tmp_path_factory) -> Path:
     python = environment / "bin" / "python"
     install = [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)]
     subprocess.run(install, check=True, timeout=300, capture_output=True)
-    return environment / "bin"
 
 
 def run_installed(command: list[str], folder: Path, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from tests.helpers import SHARED_DATA, assert_succeeded, run_command
+from tests.helpers import SHARED_DATA, assert_succeeded, run_command, run_once
 
-pytestmark = pytest.mark.slow  # about 20 s alone, 40 s on two busy cores: mostly imports
+pytestmark = pytest.mark.slow
 
 MODES = ("a_trainer_padded", "b_scale_padded", "c_scale_packed", "d_scale_packed_checkpointing")
 # The GPU machine has no deepspeed: hide it (find_spec then answers None, as when it is not installed).
@@ -17,14 +17,20 @@ WITHOUT_DEEPSPEED = (
 )
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    output = tmp_path_factory.mktemp("bench") / "gpu_throughput.json"
-    command = [sys.executable, "-c", WITHOUT_DEEPSPEED, "bench/gpu_throughput.py", "--size", "tiny"]
-    command += ["--steps", "3", "--warmup-steps", "1", "--batch-size", "4", "--max-length", "128"]
-    completed = run_command([*command, "--output", str(output)], timeout=300)
-    assert_succeeded(completed, completed.stderr[-3000:])
-    return json.loads(output.read_text()), completed.stdout
+@pytest.fixture(scope="session")
+def result(shared_dir):
+    """One bench run (about 20 s alone, 40 s on two busy cores), read by every test here."""
+
+    def bench(folder):
+        folder.mkdir()
+        command = [sys.executable, "-c", WITHOUT_DEEPSPEED, "bench/gpu_throughput.py", "--size", "tiny"]
+        command += ["--steps", "3", "--warmup-steps", "1", "--batch-size", "4", "--max-length", "128"]
+        completed = run_command([*command, "--output", str(folder / "gpu_throughput.json")], timeout=300)
+        assert_succeeded(completed, completed.stderr[-3000:])
+        (folder / "stdout.log").write_text(completed.stdout)
+
+    folder = run_once(shared_dir, "bench-gpu-throughput", bench)
+    return json.loads((folder / "gpu_throughput.json").read_text()), (folder / "stdout.log").read_text()
 
 
 def test_all_four_modes_are_measured(result):

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from hf_scale.checkpoints import last_complete_checkpoint
-from tests.helpers import REPO_ROOT, assert_succeeded, free_port, launch_env, python_bin, run_command, torchrun
+from tests.helpers import assert_succeeded, free_port, python_bin, run_command, start, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
 pytestmark = pytest.mark.slow
@@ -17,7 +17,11 @@ def reports(output_dir, world_size):
     return [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
-@pytest.mark.parametrize("evaluate_first", [False, True], ids=["train", "evaluate-then-train"])
+# The first is the fast tier's smoke run (make check): one real 2-process launch.
+@pytest.mark.parametrize(
+    "evaluate_first",
+    [pytest.param(False, marks=pytest.mark.smoke, id="train"), pytest.param(True, id="evaluate-then-train")],
+)
 def test_two_processes_train_as_one_ddp_model(tmp_path, tiny_model_dir, evaluate_first):
     flags = ["--evaluate_first"] if evaluate_first else []
     result = run_command(torchrun(WORKER, "--output_dir", str(tmp_path), *flags), timeout=300)
@@ -51,7 +55,7 @@ def on_two_nodes(*flags: str) -> tuple[list[int], list[str]]:
     """Run the worker as two single-process nodes on loopback (one torchrun each): exit codes and stderrs."""
     port = str(free_port())
     nodes = [
-        subprocess.Popen(
+        start(
             [
                 python_bin("torchrun"),
                 "--nnodes",
@@ -67,8 +71,6 @@ def on_two_nodes(*flags: str) -> tuple[list[int], list[str]]:
                 WORKER,
                 *flags,
             ],
-            cwd=REPO_ROOT,
-            env=launch_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -15,7 +15,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import assert_succeeded, run_command, torchrun
+from tests.helpers import assert_succeeded, run_command, run_once, torchrun
 
 WORKER = "tests/distributed/ddp_worker.py"
 FACTORS = {
@@ -77,26 +77,29 @@ def flags(row) -> list[str]:
     return result
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir) -> dict:
-    """Each row run once: row -> (rank 0's report, rank 0's weights)."""
-    results = {}
-    for row in ROWS:
-        folder = tmp_path_factory.mktemp(row_id(row))
+@pytest.fixture(scope="session")
+def runs(shared_dir, tiny_model_dir):
+    """`runs(row)`: that row run once in this test run (the references are shared by every test that compares with
+    them, across pytest-xdist workers): rank 0's report and weights."""
+
+    def launch(folder, row) -> None:
         command = torchrun(WORKER, "--output_dir", str(folder), *flags(row), processes=row[0])
         result = run_command(command, timeout=400)
         assert_succeeded(result, row_id(row) + result.stdout[-2000:] + result.stderr[-4000:])
-        report = json.loads((folder / "rank0.json").read_text())
-        results[row] = (report, load_file(folder / "rank0.safetensors"))
-    return results
+
+    def run(row):
+        folder = run_once(shared_dir, f"matrix-{row_id(row)}", lambda folder: launch(folder, row))
+        return json.loads((folder / "rank0.json").read_text()), load_file(folder / "rank0.safetensors")
+
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS[2:], ids=row_id)
 def test_row_trains_as_the_plain_fp32_run_does(runs, row):
-    report, weights = runs[row]
+    report, weights = runs(row)
     reference = next(r for r in ROWS[:2] if r[4] == row[4])  # the plain run of the same tuning
-    reference_report, reference_weights = runs[reference]
+    reference_report, reference_weights = runs(reference)
     assert report["world_size"] == row[0] and report["effective_batch_size"] == EXAMPLES_PER_STEP
     assert len(report["losses"]) == STEPS
     assert reference_report["losses"][-1] < reference_report["losses"][0]  # the reference learns

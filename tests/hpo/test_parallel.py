@@ -14,7 +14,7 @@ import pytest
 
 from hf_scale.errors import ConfigError
 from hf_scale.hpo import SearchArguments, parallel
-from tests.helpers import REPO_ROOT, SHARED_DATA, assert_succeeded, launch_env, python_bin, run_command
+from tests.helpers import SHARED_DATA, assert_succeeded, python_bin, run_command, start
 from tests.hpo.conftest import WORKER
 
 pytestmark = pytest.mark.slow
@@ -26,10 +26,8 @@ TRIAL_STARTED = re.compile(r"^hf_scale hpo \[worker (\d+\.\d+)\]: trial (\d+): \
 
 def launch(output_dir, *flags):
     log = open(output_dir.parent / "search.log", "w")  # noqa: SIM115 -- closed by finish()
-    process = subprocess.Popen(
+    process = start(
         [python_bin("python"), WORKER, "--output_dir", str(output_dir), *FLAGS, *flags],
-        cwd=REPO_ROOT,
-        env=launch_env(),
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -103,10 +101,8 @@ def test_two_workers_run_every_trial_once_and_a_killed_workers_trial_is_failed_a
 def test_ctrl_c_stops_every_worker_and_fails_their_trials(tmp_path, tiny_model_dir):
     output_dir = tmp_path / "search"
     log = open(tmp_path / "search.log", "w")  # noqa: SIM115
-    process = subprocess.Popen(
+    process = start(
         [python_bin("python"), WORKER, "--output_dir", str(output_dir), *FLAGS, "--sleep_trial", "1"],
-        cwd=REPO_ROOT,
-        env=launch_env(),
         stdout=log,
         stderr=subprocess.STDOUT,
         # What a terminal's Ctrl-C finds, also where the test runner was started with SIGINT ignored.
@@ -151,13 +147,15 @@ def test_hf_scale_search_with_two_parallel_trials_and_hyperband_completes_the_bu
 
 
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
-def test_shipped_lora_search_in_parallel_then_relaunched_goes_on_with_its_study(tmp_path, tiny_model_dir):
+def test_shipped_lora_search_in_parallel_then_relaunched_goes_on_with_its_study(
+    tmp_path, tiny_model_dir, alpaca_sample
+):
     """The README's line for the shipped LoRA search (bf16, gradient checkpointing), shrunk as the config tests shrink
     it; launched again with a larger n_trials, it adds trials to the same journal study."""
     output_dir = tmp_path / "search"
     command = [python_bin("python"), "-m", "hf_scale.cli", "search", "--config", "search_llama2_7b_lora"]
     command += ["--parallel_trials", "2", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(output_dir)]
-    command += ["--dataset", str(SHARED_DATA / "alpaca_zh_demo.json"), "--max_steps", "4", "--eval_steps", "2"]
+    command += ["--dataset", str(alpaca_sample("alpaca_zh_demo.json")), "--max_steps", "4", "--eval_steps", "2"]
     command += ["--per_device_batches", "2", "--effective_batch_min", "4", "--effective_batch_max", "8"]
     command += ["--use_cpu", "true"]  # bf16 on one CPU process: transformers asks for it (2 processes get it set)
     outputs = []

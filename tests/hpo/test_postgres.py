@@ -11,7 +11,7 @@ import uuid
 import optuna
 import pytest
 
-from tests.helpers import REPO_ROOT, launch_env, python_bin
+from tests.helpers import python_bin, start
 from tests.hpo.conftest import WORKER
 
 URL = os.environ.get("HF_SCALE_TEST_POSTGRES_URL", "postgresql://postgres:hpo-ci-password@127.0.0.1:55432/hpo")
@@ -42,10 +42,8 @@ def test_two_workers_share_one_study_without_running_a_trial_twice(tmp_path, tin
     study_name = f"scale-out-{uuid.uuid4().hex[:8]}"
     flags = ["--storage", URL, "--study_name", study_name, "--n_trials", str(N_TRIALS), "--startup_trials", "2"]
     workers = [
-        subprocess.Popen(
+        start(
             [python_bin("python"), WORKER, "--output_dir", str(tmp_path / f"worker{index}"), *flags],
-            cwd=REPO_ROOT,
-            env=launch_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -7,22 +7,25 @@ from 1e-5 to 1e-1 (log): below about 3e-4 the tiny model barely moves in 24 step
 import csv
 import json
 import math
+import runpy
 import signal
 import subprocess
+import sys
 import time
 
 import optuna
 import pytest
 
-from tests.helpers import REPO_ROOT, launch_env, python_bin
+from tests.helpers import REPO_ROOT, python_bin, run_once, start
 from tests.hpo.conftest import WORKER, run_search, trials_seen
 
 
-@pytest.fixture(scope="module")
-def twelve_trials(tmp_path_factory, tiny_model_dir):
-    output_dir = tmp_path_factory.mktemp("twelve")
-    (report,) = run_search(output_dir, "--n_trials", "12", "--startup_trials", "3", timeout=500)
-    return output_dir, report
+@pytest.fixture(scope="session")
+def twelve_trials(shared_dir, tiny_model_dir):
+    """One 12-trial search, read by four tests (on whichever pytest-xdist worker each runs)."""
+    search = lambda folder: run_search(folder, "--n_trials", "12", "--startup_trials", "3", timeout=500)  # noqa: E731
+    output_dir = run_once(shared_dir, "search-twelve-trials", search)
+    return output_dir, json.loads((output_dir / "rank0.json").read_text())
 
 
 @pytest.mark.slow
@@ -109,32 +112,34 @@ def test_lora_search_without_fast_path_calls_model_init_per_trial(tmp_path, tiny
     assert len(set(report["base_digests"])) == 1
 
 
-def run_failing(tmp_path, *flags):
-    command = [python_bin("python"), WORKER, "--output_dir", str(tmp_path), "--n_trials", "2", *flags]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stderr[-3000:]
-    return result.stderr
+def run_failing(tmp_path, monkeypatch, capsys, *flags):
+    """The worker in this process (the refusal comes before any trial or process group): its stderr; it exits 2."""
+    monkeypatch.setattr(sys, "argv", [WORKER, "--output_dir", str(tmp_path), "--n_trials", "2", *flags])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO_ROOT / WORKER), run_name="__main__")
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2, stderr[-3000:]
+    return stderr
 
 
-def test_direction_against_the_default_objective_is_refused(tmp_path, tiny_model_dir):
-    stderr = run_failing(tmp_path, "--direction", "maximize")
+def test_direction_against_the_default_objective_is_refused(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    stderr = run_failing(tmp_path, monkeypatch, capsys, "--direction", "maximize")
     assert "direction='maximize' contradicts the objective eval_loss, which is better when lower" in stderr
     assert not list(tmp_path.glob("trial-*"))  # refused before any trial
 
 
-def test_compute_objective_against_direction_is_refused(tmp_path, tiny_model_dir):
-    stderr = run_failing(tmp_path, "--objective", "eval_loss", "--direction", "maximize")
+def test_compute_objective_against_direction_is_refused(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    stderr = run_failing(tmp_path, monkeypatch, capsys, "--objective", "eval_loss", "--direction", "maximize")
     assert "compute_objective returns eval_loss (better when lower) but direction='maximize'" in stderr
 
 
 @pytest.mark.slow
 def test_killed_search_resumes_without_losing_a_trial(tmp_path, tiny_model_dir):
-    flags = ["--n_trials", "5", "--startup_trials", "9", "--heartbeat_interval", "1", "--grace_period", "3"]
+    grace = 3
+    flags = ["--n_trials", "5", "--startup_trials", "9", "--heartbeat_interval", "1", "--grace_period", str(grace)]
     flags += ["--max_steps", "12", "--eval_steps", "6"]
-    first = subprocess.Popen(
+    first = start(
         [python_bin("python"), WORKER, "--output_dir", str(tmp_path), *flags, "--sleep_trial", "2"],
-        cwd=REPO_ROOT,
-        env=launch_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -143,11 +148,15 @@ def test_killed_search_resumes_without_losing_a_trial(tmp_path, tiny_model_dir):
         deadline = time.time() + 300
         while not (tmp_path / "trial-0002" / "sleeping").exists():
             assert first.poll() is None and time.time() < deadline, "trial 2 never started"
-            time.sleep(0.5)
+            time.sleep(0.1)
         first.send_signal(signal.SIGKILL)  # killed in the middle of trial 2, no chance to clean up
+        killed_at = time.time()
         first.wait(timeout=30)
     finally:
         first.kill()
+    # Its trial counts as dead once its last heartbeat (at the latest the kill) is older than the grace period; a
+    # relaunch sooner than that would rightly see it running (a preloaded relaunch starts within a second).
+    time.sleep(max(0.0, killed_at + grace + 0.5 - time.time()))
     killed = optuna.load_study(study_name="hf_scale", storage=f"sqlite:///{tmp_path / 'optuna_study.db'}")
     assert [t.state.name for t in killed.trials] == ["COMPLETE", "COMPLETE", "RUNNING"]  # left as it died
     first_values = [t.value for t in killed.trials[:2]]

@@ -1,7 +1,8 @@
 """Launch lines as users type them, run here on 2 CPU processes with only what a CPU cannot hold shrunk.
 
-Shrunk: the model (the embedded tiny LLaMA), the data (a shared Alpaca set), the step counts, the batch and
-process counts and the number of held-out records answered greedily. Everything else stays as the config says:
+Shrunk: the model (the embedded tiny LLaMA), the data (200 records of a shared Alpaca set: alpaca_sample in
+tests/conftest.py), the step counts, the batch and process counts and the number of held-out records answered
+greedily. Everything else stays as the config says:
 precision, preset, LoRA, gradient checkpointing, schedule, learning rate, report_to, max_new_tokens.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_scale.config import config_file, load_yaml_config
-from tests.helpers import REPO_ROOT, free_port, launch_env, python_bin
+from tests.helpers import free_port, python_bin, start
 
 STEPS = ["--max_steps", "4", "--eval_steps", "2", "--save_steps", "2", "--logging_steps", "1"]
 
@@ -73,8 +74,7 @@ class Launched:
 def launch_on_cpu(command: str, flags: list[str], timeout: float = 600) -> Launched:
     """Run the launch line's 2-CPU-process version with `flags` appended; a hard timeout (a hang fails)."""
     nodes = [
-        subprocess.Popen([*node, *flags], cwd=REPO_ROOT, env=launch_env(LOCAL_SIZE="2"), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        start([*node, *flags], extra_env={"LOCAL_SIZE": "2"}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for node in cpu_version(command, free_port())
     ]  # fmt: skip
     try:

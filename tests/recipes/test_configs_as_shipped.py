@@ -1,11 +1,12 @@
 """Every shipped GPU config, as shipped, launched as its header shows, on 2 CPU processes.
 
-Only what a CPU machine cannot hold is shrunk (tests/recipes/launch.py): the model, the data (the shared English or
-Chinese Alpaca set), step counts, batch and process counts, and the held-out records answered greedily. Precision,
-presets, LoRA, gradient checkpointing, schedules, learning rates and report_to stay as the file says; the
-tensorboard of report_to is installed with the package. tiny_cpu.yaml, tiny_chat_cpu.yaml and search_tiny_cpu.yaml
-are the recipes' CPU defaults, run as shipped by tests/recipes/test_finetune_llama2.py and tests/hpo/test_recipe.py.
-The README's other launchers for the same configs (torchrun, DeepSpeed's) run in tests/test_readme.py.
+Only what a CPU machine cannot hold is shrunk (tests/recipes/launch.py): the model, the data (200 records of the
+shared English or Chinese Alpaca set), step counts, batch and process counts, and the held-out records answered
+greedily. Precision, presets, LoRA, gradient checkpointing, schedules, learning rates and report_to stay as the file
+says; the tensorboard of report_to is installed with the package. tiny_cpu.yaml, tiny_chat_cpu.yaml and
+search_tiny_cpu.yaml are the recipes' CPU defaults, run as shipped by tests/recipes/test_finetune_llama2.py and
+tests/hpo/test_recipe.py. The README's other launchers for the same configs (torchrun, DeepSpeed's) run in
+tests/test_readme.py.
 """
 
 import json
@@ -40,10 +41,10 @@ def test_every_shipped_config_is_launched_here():
 
 
 @pytest.mark.parametrize("name", DATA)
-def test_config_launched_as_shipped_trains_and_saves_what_loads(name, tmp_path, tiny_model_dir):
+def test_config_launched_as_shipped_trains_and_saves_what_loads(name, tmp_path, tiny_model_dir, alpaca_sample):
     command = header_launch_line(SHIPPED_CONFIGS / name)
     output_dir = tmp_path / "run"
-    launched = launch_on_cpu(command, shrinking_flags(command, tiny_model_dir, SHARED_DATA / DATA[name], output_dir))
+    launched = launch_on_cpu(command, shrinking_flags(command, tiny_model_dir, alpaca_sample(DATA[name]), output_dir))
     if name.startswith("search_"):
         assert launched.returncodes == [0], launched.stderr
         best = json.loads((output_dir / "best_run.json").read_text())

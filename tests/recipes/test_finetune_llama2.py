@@ -42,7 +42,7 @@ def test_multi_turn_default_learns_the_turn_that_depends_on_the_first(tmp_path, 
     model's own first answer, and the saved tokenizer's chat template prompts the saved model as training did."""
     output_dir = tmp_path / "run"
     command = [python_bin("hf-scale"), "train", "--config", "tiny_chat_cpu", "--output_dir", str(output_dir)]
-    result = run_command(command, timeout=900, OMP_NUM_THREADS="2")
+    result = run_command(command, timeout=900)
     assert_succeeded(result, result.stderr[-3000:])
     metrics = json.loads((output_dir / "metrics.json").read_text())
     assert metrics["eval_before_exact_match"] <= 0.02
