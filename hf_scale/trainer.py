@@ -83,6 +83,8 @@ class ScaleTrainer(Trainer):
         self.divergence_guard = DivergenceGuard(self.args.divergence_spike_factor)
         self._step_loss: torch.Tensor | None = None  # the running optimizer step's loss so far, on the device
         self.generation_eval = generation_eval
+        # (global step, metric prefix, metrics) of the last evaluate() of the trainer's own eval_dataset
+        self._last_evaluation: tuple[int, str, dict[str, float]] | None = None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         if resume_from_checkpoint is None and self.args.resume != "false":
@@ -180,11 +182,28 @@ class ScaleTrainer(Trainer):
             # ZeRO Stage 3"). Under those stages every rank holds the whole model: evaluate it as DDP would.
             self.is_deepspeed_enabled = False
         try:
-            return super().evaluate(*args, **kwargs)
+            metrics = super().evaluate(*args, **kwargs)
         finally:
             self.is_deepspeed_enabled = self.is_deepspeed_enabled or zero12_before_train
             if prepared_here:
                 self._forget_evaluation_preparation()
+        if not args and kwargs.get("eval_dataset") is None:
+            self._last_evaluation = (self.state.global_step, kwargs.get("metric_key_prefix", "eval"), metrics)
+        return metrics
+
+    def evaluate_trained(self, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """`evaluate()` of the weights training ended with, under `metric_key_prefix`. When training's own last
+        evaluation was at its last step and those weights were kept (no best checkpoint loaded at the end), its
+        figures are those: they are returned again instead of evaluating the same weights on the same data twice
+        (for a 7B model with generation metrics, minutes)."""
+        if self._last_evaluation is not None and not self.args.load_best_model_at_end:
+            step, prefix, metrics = self._last_evaluation
+            if step == self.state.global_step and step > 0:
+                return {
+                    metric_key_prefix + key.removeprefix(prefix) if key.startswith(f"{prefix}_") else key: value
+                    for key, value in metrics.items()
+                }
+        return self.evaluate(metric_key_prefix=metric_key_prefix)
 
     def evaluation_loop(
         self,

@@ -3,6 +3,7 @@ ports."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -55,7 +56,17 @@ def launched(args: list[str], fresh: bool = False, **extra: str) -> tuple[list[s
     the preloaded server (tests/preloaded), unless `fresh` asks for a new interpreter (what the test checks depends
     on one: an installed wheel, a package made unimportable, interpreter exit, a real terminal)."""
     env = launch_env(**extra)
+    log_launch(args, fresh)
     return (args if fresh else preloaded.command(args, env, server_env=launch_env())), env
+
+
+def log_launch(args: list[str], fresh: bool) -> None:
+    """With HF_SCALE_TEST_LAUNCH_LOG set, one JSON line per launch (the test, the program, fresh or forked): how the
+    suite's launches are counted (tests/README.md). The preloaded server adds a line per process it forks."""
+    if log := os.environ.get("HF_SCALE_TEST_LAUNCH_LOG"):
+        line = {"test": current_test.nodeid if current_test else None, "program": Path(args[0]).name, "fresh": fresh}
+        with open(log, "a") as file:
+            file.write(json.dumps(line) + "\n")
 
 
 def run_command(args: list[str], timeout: float, fresh: bool = False, **env: str) -> subprocess.CompletedProcess:

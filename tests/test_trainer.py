@@ -160,3 +160,41 @@ def test_tensorboard_logs_go_to_output_dir_also_when_evaluating_before_training(
     events.Reload()
     assert {"train/loss", "eval/loss"} <= set(events.Tags()["scalars"])
     assert len(events.Scalars("train/loss")) == 8
+
+
+@pytest.mark.parametrize(
+    "eval_strategy, load_best, evaluations",
+    [("steps", False, 0), ("no", False, 1), ("steps", True, 1)],
+    ids=["last-step-evaluated", "no-evaluation-in-training", "best-weights-loaded"],
+)
+def test_the_trained_weights_are_evaluated_once(tmp_path, tiny_model_dir, eval_strategy, load_best, evaluations):
+    """evaluate_trained() gives training's own evaluation of its last step again (transformers evaluates the last
+    step whatever eval_steps says), under the new prefix, instead of evaluating the same weights twice; it
+    evaluates when training did not, or loaded the best weights at the end."""
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    train, _ = tokenize_records(generate_tasks()[0][:64], tokenizer, ALPACA, max_length=128)
+    held_out, _ = tokenize_records(generate_tasks()[1][:32], tokenizer, ALPACA, max_length=128)
+    args = ScaleTrainingArguments(
+        output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=8, learning_rate=5e-3,
+        eval_strategy=eval_strategy, eval_steps=3, save_strategy="steps", save_steps=3,
+        load_best_model_at_end=load_best, report_to="none", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = ScaleTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        args=args,
+        train_dataset=train,
+        eval_dataset=held_out,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX),
+    )
+    before = trainer.evaluate(metric_key_prefix="eval_before")
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    evaluated = []
+    trainer.evaluation_loop = lambda *a, original=trainer.evaluation_loop, **k: evaluated.append(1) or original(*a, **k)
+    after = trainer.evaluate_trained(metric_key_prefix="eval_after")
+    assert len(evaluated) == evaluations  # after training
+    assert after["eval_after_loss"] < before["eval_before_loss"]
+    assert after["eval_after_loss"] == pytest.approx(trainer.evaluate()["eval_loss"], abs=1e-6)  # what it stands for
+    if evaluations == 0:
+        assert [entry["step"] for entry in logged] == [3, 5] and after["eval_after_loss"] == logged[-1]["eval_loss"]
+        assert after.keys() == {key.replace("eval_", "eval_after_", 1) for key in trainer.evaluate()}  # and epoch

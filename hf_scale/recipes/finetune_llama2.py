@@ -92,15 +92,15 @@ def main(argv: list[str]) -> dict:
     say("one training example as the model sees it (trained-on spans in ⟦ ⟧):")
     say(render_masked_example(tokenizer, train_dataset[0]["input_ids"], train_dataset[0]["labels"]))
 
-    # 4. Evaluate, train, evaluate again: eval loss and held-out greedy exact match.
-    def evaluate(stage: str) -> dict:
-        metrics = trainer.evaluate(metric_key_prefix=f"eval_{stage}")
+    # 4. Evaluate, train, evaluate again: eval loss and held-out greedy exact match (the "after" figures are training's
+    #    own last evaluation when it evaluated the last step).
+    def report(stage: str, metrics: dict) -> dict:
         say(f"{stage}: " + ", ".join(f"{k} = {v:.4g}" for k, v in metrics.items() if k.endswith(("loss", "match"))))
         return metrics
 
-    before = evaluate("before")
+    before = report("before", trainer.evaluate(metric_key_prefix="eval_before"))
     train_result = trainer.train()
-    after = evaluate("after")
+    after = report("after", trainer.evaluate_trained(metric_key_prefix="eval_after"))
 
     # 5. Save: model and tokenizer as a normal HF folder, metrics, loss curve.
     trainer.save_model()

@@ -1,5 +1,6 @@
 """A process of a finished multi-process run exits 0, not SIGABRT at interpreter exit (issue 17, item 5)."""
 
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,10 @@ ROUNDS, CONCURRENT = 4, 2
 
 
 def test_processes_exit_cleanly_after_their_last_collective():
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the load CI's other jobs bring
+    # The load CI's other jobs bring: in the suite the other pytest workers bring it (a load average of 4-6 on the
+    # 2 cores), run alone this test makes it.
+    loaded = os.getloadavg()[0] >= 2
+    busy = None if loaded else subprocess.Popen([sys.executable, "-c", "while True: pass"])
     failures = []
     try:
         for _ in range(ROUNDS):
@@ -35,5 +39,6 @@ def test_processes_exit_cleanly_after_their_last_collective():
                 if launch.returncode != 0:
                     failures.append([line for line in stderr.splitlines() if "terminate" in line or "exitcode" in line])
     finally:
-        busy.kill()
+        if busy is not None:
+            busy.kill()
     assert not failures, f"{len(failures)} of {ROUNDS * CONCURRENT} launches failed; the first:\n{failures[0]}"

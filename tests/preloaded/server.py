@@ -142,6 +142,14 @@ def print_from_the_program(error: BaseException) -> None:
     traceback.print_exception(type(error), error, tb)
 
 
+def log_fork(request: dict) -> None:
+    """One JSON line per forked program in HF_SCALE_TEST_LAUNCH_LOG, if set (tests/helpers.log_launch)."""
+    if log := os.environ.get("HF_SCALE_TEST_LAUNCH_LOG"):
+        program = request["module"] or os.path.basename(request["argv"][0])
+        with open(log, "a") as file:
+            file.write(json.dumps({"forked": program}) + "\n")
+
+
 def parent_pid(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -236,6 +244,7 @@ def serve(path: str, executable: str) -> None:
                     run_program(request)  # never returns
                 for fd in fds:
                     os.close(fd)
+                log_fork(request)
                 connection.sendall(STATUS.pack(pid))
                 pidfd = os.pidfd_open(pid)
                 children.add(pidfd, connection, pid, client_pid)
