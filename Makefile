@@ -32,7 +32,7 @@ demo: install
 # and collectives (tests/README.md: the tiers, shared runs, the preloaded launcher).
 test: install
 	$(BIN)/ruff check hf_scale recipes tests bench
-	$(BIN)/python -m pytest -q -ra -n 3 --durations=15
+	$(BIN)/python -m pytest -q -ra -n 3 --durations=25
 
 # The fast tier, for the edit-test loop: every test that launches no process, plus one 2-process smoke run.
 check: install

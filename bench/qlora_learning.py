@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hf_scale.hpo.parallel import free_port
+from hf_scale.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "finetune_llama2.py"

@@ -319,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`hf-scale ARGV`; without `argv` (the console script), this process's command line, in a process of its own."""
+    if argv is None:
+        from hf_scale.recipes import preparation
+
+        preparation.own_process = True
     options = build_parser().parse_args(argv)
     try:
         options.run(options)

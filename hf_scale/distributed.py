@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import time
 
 from torch import nn
@@ -25,6 +26,29 @@ FIX = (
 def launched_world_size() -> int:
     """The number of processes the launcher (torchrun, accelerate, deepspeed) started, from `WORLD_SIZE`."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def set_single_process_launch_environment() -> bool:
+    """Give a process that no launcher started what a launcher gives one process: rank 0 of 1, a free local port.
+
+    DeepSpeed documents this for one GPU without its launcher (a notebook, `python train.py`). Without these
+    variables DeepSpeed looks for MPI (`No module named 'mpi4py'`) or trains without a process group and fails at
+    the first evaluation. A launcher's variables are left as they are; returns whether it set them.
+    """
+    if any(os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return False
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )  # fmt: skip
+    return True
 
 
 def release_gil_to_collectives_at_exit() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from hf_scale.hpo.parallel import free_port  # tests import it from here too
+from hf_scale.distributed import free_port  # tests import it from here too
 from tests import preloaded
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from hf_scale.distributed import free_port
 from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.hpo.storage import fail_trial, quiet_experimental
 
@@ -72,12 +72,6 @@ def check_can_launch(parallel_trials: int, retrain_best: bool, zero3: bool) -> l
             "process, so it cannot be trained again (retrain_best, ZeRO-3); search without parallel_trials"
         )
     return [devices[index * share : (index + 1) * share] for index in range(parallel_trials)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_command(devices: list[str] | None) -> list[str]:

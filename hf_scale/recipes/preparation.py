@@ -28,17 +28,24 @@ from hf_scale.data.multiturn import (
 )
 from hf_scale.data.templates import CHAT_TEMPLATE, PromptTemplate, get_template
 from hf_scale.data.tokenize import TokenizationSummary, check_examples_left, tokenize_records
+from hf_scale.distributed import set_single_process_launch_environment
 from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.modeling import ModelArguments, check_model_path, load_tokenizer
 from hf_scale.paths import cache_dir
 from hf_scale.tiny import ensure_tiny_model, generate_conversation_tasks, generate_tasks
+
+# Whether this process is the recipe's own (`python recipes/...`, `hf-scale train`): then its environment is the
+# recipe's to set (run_as_program and the hf-scale command say so). A recipe's `main` called from a script, a notebook
+# or a test leaves its caller's environment alone.
+own_process = False
 
 
 def parse_recipe_arguments(argv: list[str], dataclass_types: tuple, default_config: str, usage: str) -> tuple:
     """The recipe's dataclasses from `--config` (a file or a shipped name; `default_config` without one) and flags.
 
     The first three types are ModelArguments, DataArguments and ScaleTrainingArguments. Every mistake stops here,
-    before any work; with -h, `usage` (how to launch the recipe) is printed before the parser's help.
+    before any work; with -h, `usage` (how to launch the recipe) is printed before the parser's help. In the recipe's
+    own process, a DeepSpeed run that no launcher started gets a launcher's variables for one process.
     """
     if "-h" in argv or "--help" in argv:
         print(usage)
@@ -46,6 +53,10 @@ def parse_recipe_arguments(argv: list[str], dataclass_types: tuple, default_conf
         argv = ["--config", default_config, *argv]
     parser = HfArgumentParser(dataclass_types)
     values = check_config(parser, argv)
+    if own_process and (values["zero_preset"] not in (None, "", "auto", "ddp") or values.get("deepspeed")):
+        # One process that no launcher started (python, hf-scale train): DeepSpeed's engine needs what a launcher
+        # sets, before the arguments' device setup starts the process group.
+        set_single_process_launch_environment()
     if values["zero_preset"] == "auto" and not values["plan_model"] and values["model_name_or_path"]:
         argv = [*argv, "--plan_model", values["model_name_or_path"]]  # the planner sizes the model we train
     parsed = parse_config(parser, argv)
@@ -131,7 +142,8 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Sca
     template = get_template(data_args.template, data_args.system_prompt, tokenizer)
     # The run's template goes with the tokenizer it saves, so that `hf-scale chat`, an export and any
     # `apply_chat_template` format prompts as the model was trained (a JSON user template has no chat form).
-    tokenizer.chat_template = CONVERSATION_TEMPLATES.get(data_args.template, tokenizer.chat_template)
+    # (`template: chat_template` is the tokenizer's own: CONVERSATION_TEMPLATES holds None for it, and it stays.)
+    tokenizer.chat_template = CONVERSATION_TEMPLATES.get(data_args.template) or tokenizer.chat_template
     if data_args.template.lstrip().startswith("{"):
         tokenizer.chat_template = None
     with args.main_process_first(desc="tokenizing"):
@@ -221,6 +233,8 @@ def tokenize_source(
 
 def run_as_program(main: Callable[[list[str]], dict]) -> None:
     """A recipe's `main` on this process's command line; a mistake in it is one line (`error: ...`) and exit 2."""
+    global own_process
+    own_process = True
     try:
         main(sys.argv[1:])
     except HfScaleError as error:

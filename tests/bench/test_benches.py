@@ -57,9 +57,8 @@ def test_hpo_budget_part_prints_the_three_ways_and_the_ratio(tiny_model_dir):
 
 
 def test_qlora_learning_prints_both_means(trained_tiny_run, tmp_path):
-    """A quick setting on the session's trained tiny run: one seed, a few steps, one process per run (the bench's
-    2-process runs are torchrun's, as everywhere else in the suite); the figures are the bench's."""
-    quick = ["--seeds", "3", "--steps", "2", "--samples", "4", "--processes", "1", "--base", str(trained_tiny_run)]
+    """A quick setting on the session's trained tiny run: one seed, a few steps; the figures are the bench's."""
+    quick = ["--seeds", "3", "--steps", "2", "--samples", "4", "--base", str(trained_tiny_run)]
     output = tmp_path / "qlora.json"
     result = run_command([sys.executable, "bench/qlora_learning.py", *quick, "--output", str(output)], timeout=600)
     assert_succeeded(result, result.stderr[-3000:])
