@@ -302,11 +302,8 @@ class ScaleTrainer(Trainer):
                 print(f"hf_scale: skipped step {step}: {problem} (learning rate {learning_rate:.3g})")
             return True
         diagnosis = self._save_diagnosis_checkpoint(step)
-        raise TrainingDiverged(
-            f"training diverged at step {step}: {problem}, learning rate {learning_rate:.3g}; the weights before "
-            f"this step and the optimizer state are saved in {diagnosis} for diagnosis (--resume goes on from the "
-            "last periodic checkpoint, not from it)"
-        )
+        summary = f"training diverged at step {step}: {problem}, learning rate {learning_rate:.3g}"
+        raise TrainingDiverged(summary, diagnosis)
 
     def _save_diagnosis_checkpoint(self, step: int) -> Path:
         """The state before the diverging `step`, beside the run's checkpoints, where --resume does not look."""

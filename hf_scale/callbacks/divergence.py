@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from hf_scale.errors import HfScaleError
 
@@ -20,7 +21,15 @@ EMA_DECAY = 0.9
 
 
 class TrainingDiverged(HfScaleError, RuntimeError):
-    """The loss became NaN/Inf or spiked; the message names the step and the learning rate."""
+    """The loss became NaN/Inf or spiked. `summary` names the step, the problem and the learning rate; `diagnosis` is
+    the checkpoint of the weights before that step."""
+
+    def __init__(self, summary: str, diagnosis: Path) -> None:
+        super().__init__(
+            f"{summary}; the weights before this step and the optimizer state are saved in {diagnosis} for diagnosis "
+            "(--resume goes on from the last periodic checkpoint, not from it)"
+        )
+        self.summary, self.diagnosis = summary, diagnosis
 
 
 @dataclass

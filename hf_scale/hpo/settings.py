@@ -70,7 +70,11 @@ class SearchArguments:
     max_retry: int = field(default=2, metadata={"help": "How often a dead worker's trial is run again."})
     max_failures: int | None = field(
         default=None,
-        metadata={"help": "End the search after this many failed trials (default: n_trials), e.g. a broken setup."},
+        metadata={
+            "help": "End the search after this many failed trials (default: n_trials), e.g. a broken setup. A trial "
+            "fails, and the search goes on, when it raises or its training diverges (its loss NaN/Inf or spiking: a "
+            "learning rate too high); a wrong setting (a configuration error) ends the search at its first trial."
+        },
     )
     trial_end_timeout: float = field(
         default=300,

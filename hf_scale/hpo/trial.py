@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, set_seed
 
+from hf_scale.callbacks import TrainingDiverged
 from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.hpo import sync
 from hf_scale.hpo.lora import unload, with_adapters
@@ -152,6 +153,9 @@ def run_trial(trainer: Any, search: Any, plan: TrialPlan) -> Outcome:
             trainer.save_model(str(Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{callback.best.step}"))
     except sync.TrialEndMissed:
         raise  # the other ranks are stuck: this process ends
+    except TrainingDiverged as exception:  # this trial's hyperparameters (a learning rate too high): the search goes on
+        state, error = FAILED, f"TrainingDiverged: {exception.summary} (its diagnosis checkpoint is not kept)"
+        shutil.rmtree(exception.diagnosis.parent, ignore_errors=True)  # a failed trial keeps no checkpoint
     except HfScaleError as exception:  # a wrong setting: the next trial would fail the same way
         state, error = ABORTED, f"{type(exception).__name__}: {exception}"
     except Exception as exception:

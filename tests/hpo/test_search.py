@@ -172,3 +172,16 @@ def test_killed_search_resumes_without_losing_a_trial(tmp_path, tiny_model_dir):
     assert study[0]["value"] == first_values[0] and study[1]["value"] == first_values[1]  # kept, not rerun
     assert not math.isnan(report["best"]["objective"])
     assert trials_seen(report)[0][2] == "complete"
+
+
+def test_a_diverging_trial_fails_and_the_search_goes_on(tmp_path, tiny_model_dir, monkeypatch):
+    """A learning rate far too high is the most ordinary thing a search meets: the trial whose loss becomes NaN is
+    failed with the reason, its diagnosis checkpoint goes with it, and the search goes on (it ended the search)."""
+    flags = ["--lrs", "1e30,5e-3,5e-3", "--n_trials", "2", "--max_steps", "8", "--eval_steps", "4"]
+    monkeypatch.setattr(sys, "argv", [WORKER, "--output_dir", str(tmp_path), *flags])
+    runpy.run_path(str(REPO_ROOT / WORKER), run_name="__main__")  # in this process: one process, no group
+    study = {t["number"]: t for t in json.loads((tmp_path / "rank0.json").read_text())["study"]}
+    assert [study[n]["state"] for n in sorted(study)] == ["FAIL", "COMPLETE", "COMPLETE"]  # n_trials counts no failure
+    assert study[0]["error"].startswith("rank 0: TrainingDiverged: training diverged at step 4: the loss is nan, ")
+    assert study[0]["error"].endswith("(its diagnosis checkpoint is not kept)")
+    assert not list((tmp_path / "trial-0000").glob("diverged-step-*"))  # a failed trial keeps no checkpoint
