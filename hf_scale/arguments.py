@@ -20,6 +20,9 @@ from hf_scale.output_dir import check_output_dir
 from hf_scale.presets import load_deepspeed_config, zero_preset
 
 RESUME_MODES = ("false", "true", "auto")
+# The TrainingArguments fields that hold a nested config (a mapping, JSON text or a file path) that transformers
+# and accelerate read without checking its shape.
+NESTED_CONFIGS = ("deepspeed", "fsdp_config", "accelerator_config")
 
 
 @dataclass
@@ -150,7 +153,8 @@ class ScaleTrainingArguments(TrainingArguments):
         default=True,
         metadata={
             "help": "On a machine without an accelerator, set use_cpu=True when several processes are launched, "
-            "so that they train as real gloo DDP instead of as independent copies."
+            "so that they train as real gloo DDP instead of as independent copies, and for bf16 on one process "
+            "(transformers refuses bf16 there unless use_cpu is set)."
         },
     )
 
@@ -161,7 +165,7 @@ class ScaleTrainingArguments(TrainingArguments):
         world_size = launched_world_size()
         if not torch.accelerator.is_available():
             self.dataloader_pin_memory = False  # nothing to pin for; torch warns on every loader otherwise
-            if self.auto_cpu_ddp and world_size > 1:
+            if self.auto_cpu_ddp and (world_size > 1 or self.bf16):
                 self.use_cpu = True
         if self.zero_preset:
             preset = None if self.zero_preset in ("auto", "ddp") else zero_preset(self.zero_preset)
@@ -171,6 +175,7 @@ class ScaleTrainingArguments(TrainingArguments):
             self.deepspeed = preset
         if self.deepspeed:
             self.deepspeed = load_deepspeed_config(self.deepspeed)
+            check_tensor_parallel_section(self.deepspeed)
             if world_size % self.tensor_parallel_size:
                 raise ConfigError(
                     f"deepspeed: tensor_parallel.autotp_size={self.tensor_parallel_size} needs a multiple of "
@@ -185,7 +190,19 @@ class ScaleTrainingArguments(TrainingArguments):
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"resume: {self.resume!r} is not one of {', '.join(RESUME_MODES)}")
         self._set_schedule_and_early_stopping()
-        super().__post_init__()
+        nested = [name for name in NESTED_CONFIGS if getattr(self, name)]  # before transformers replaces them
+        try:
+            super().__post_init__()
+        except (AttributeError, TypeError, OSError) as error:
+            # transformers and accelerate read these nested configs without checking their shape: a section that
+            # is not a mapping, an unknown key or a path to no file fails deep inside them, as one of these types.
+            # Without a nested config the same types are a bug, and keep their traceback.
+            if not nested:
+                raise
+            raise ConfigError(
+                f"{' or '.join(nested)}: cannot be read: {type(error).__name__}: {error} (check that each section is "
+                "a mapping, each key a known one and each path a file)"
+            ) from error
         if self.deepspeed and self.hf_deepspeed_config.mismatches:
             # transformers records them while it fills the "auto" values, but raises only once the model is loaded
             raise ConfigError(
@@ -259,8 +276,21 @@ def accumulation_for_global_batch(global_batch_size: int, per_device_batch_size:
     return global_batch_size // per_step
 
 
+def check_tensor_parallel_section(config: dict) -> None:
+    """DeepSpeed's `tensor_parallel` section, if any, must be a mapping whose `autotp_size` is a positive integer:
+    `tensor_parallel_size` reads it before DeepSpeed does."""
+    section = config.get("tensor_parallel", {})
+    if not isinstance(section, dict):
+        raise ConfigError(f'deepspeed: tensor_parallel must be a mapping such as {{"autotp_size": 2}}, got {section!r}')
+    size = section.get("autotp_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"deepspeed: tensor_parallel.autotp_size must be a positive integer, got {size!r}")
+
+
 def check_reporting_integrations(report_to: list[str]) -> None:
     """Every `report_to` integration must be installed: the Trainer says so only once the model is loaded."""
+    if any(not isinstance(name, str) for name in report_to):  # `report_to: null` in YAML arrives as [None]
+        raise ConfigError(f"report_to: names integrations (or none, or all), got {report_to!r}")
     missing = [name for name in report_to if name not in ("none", "all", *get_available_reporting_integrations())]
     if missing:
         packages = " ".join(name.replace("_", "-") for name in missing)

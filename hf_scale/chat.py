@@ -1,7 +1,8 @@
 """`hf-scale chat RUN_DIR`: talk to a trained run, its prompts written by the chat template it was trained with.
 
-A run folder holds a full model (config.json + weights) or a PEFT adapter (adapter_config.json naming its base),
-and always the tokenizer with the run's chat template (chat_template.jinja). Three modes: `--prompt TEXT` (one
+A run folder holds a full model (config.json + weights) or a PEFT adapter (adapter_config.json naming its base;
+a QLoRA run's base is quantized as its run_config.json says), and always the tokenizer with the run's chat template
+(chat_template.jinja). Three modes: `--prompt TEXT` (one
 answer on stdout), standard input that is not a terminal (one user turn per line, one answer per line), and an
 interactive REPL with streamed answers and the commands /reset, /system TEXT and /exit.
 """
@@ -9,7 +10,7 @@ interactive REPL with streamed answers and the commands /reset, /system TEXT and
 from __future__ import annotations
 
 import argparse
-import json
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -17,10 +18,21 @@ from pathlib import Path
 
 import torch
 from jinja2 import TemplateError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TextStreamer, set_seed
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    TextStreamer,
+    set_seed,
+)
 
 from hf_scale.data.templates import through_end_of_turn
-from hf_scale.errors import ConfigError
+from hf_scale.errors import ConfigError, HfScaleError
+from hf_scale.export import adapter_base, trained_quantization
+from hf_scale.memory import quantized_base_bytes
+from hf_scale.model_shapes import model_shape
+from hf_scale.modeling import COMPUTE_DTYPES, ModelArguments, quantization_config
 
 Turn = dict[str, str]
 
@@ -79,21 +91,73 @@ def load_tokenizer(run_dir: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_model(run_dir: Path, kind: str, device: torch.device) -> torch.nn.Module:
-    """The run's model on `device` in eval mode: a full model, or an adapter on the base its config names (unmerged)."""
-    if kind == "model":
-        model = AutoModelForCausalLM.from_pretrained(run_dir)
-    else:
-        from peft import AutoPeftModelForCausalLM
+def chat_device(choice: str) -> torch.device:
+    """The device of `--device`: auto is the GPU when torch sees one."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
 
-        base = json.loads((run_dir / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
-        if not base:
-            raise ConfigError(f"{run_dir}/adapter_config.json names no base model (base_model_name_or_path)")
-        try:
-            model = AutoPeftModelForCausalLM.from_pretrained(run_dir)
-        except OSError as error:
-            raise ConfigError(f"{run_dir}: cannot load the base model {base!r} its adapter names: {error}") from error
-    return model.to(device).eval()
+
+def load_model(run_dir: Path, kind: str, device: torch.device, quantized: ModelArguments | None) -> torch.nn.Module:
+    """The run's model on `device` in eval mode: a full model, or an adapter on the base its config names (unmerged).
+
+    A QLoRA run's base (`quantized`: its run's model arguments) is quantized as training loaded it: the adapter
+    answers on the weights it was trained with, and a base that fit its GPU only quantized (a 13B on 24 GB) fits it
+    again. bitsandbytes quantizes on the CPU too. Weights load straight onto `device` (`device_map`): a quantized
+    model cannot be moved after loading, and a 16-bit one need not be held twice.
+    """
+    placement = {"device_map": {"": device.type}}
+    if kind == "model":
+        return AutoModelForCausalLM.from_pretrained(run_dir, **placement).eval()
+    from peft import PeftModel
+
+    base = adapter_base(run_dir)
+    if quantized is not None:
+        placement["quantization_config"] = quantization_config(quantized)
+        placement["dtype"] = quantized.dtype
+    try:
+        base_model = AutoModelForCausalLM.from_pretrained(base, **placement)
+    except OSError as error:
+        raise ConfigError(f"{run_dir}: cannot load the base model {base!r} its adapter names: {error}") from error
+    return PeftModel.from_pretrained(base_model, run_dir).eval()
+
+
+def weights_size(name: str | Path, quantized: ModelArguments | None) -> str | None:
+    """About how much memory the weights of the causal LM `name` take once loaded (quantized as `quantized` says,
+    the rest in the dtype it loads in), "24.2 GiB"; None when its config cannot be read as a LLaMA-class model's."""
+    try:
+        shape = model_shape(str(name))
+        dtype = AutoConfig.from_pretrained(name).dtype or torch.float32  # what dtype "auto" loads
+    # Only a figure for the message: a config it cannot read (or without LLaMA's attribute names) leaves it out.
+    except (ConfigError, OSError, ValueError, AttributeError):
+        return None
+    if quantized is None:
+        total = shape.parameters * dtype.itemsize
+    else:
+        if quantized.dtype != "auto":
+            dtype = COMPUTE_DTYPES[quantized.dtype]
+        total = quantized_base_bytes(shape, quantized.quantization, quantized.double_quantization, dtype.itemsize)
+    return f"{total / 2**30:.1f} GiB" if total >= 2**30 else f"{total / 2**20:.1f} MiB"
+
+
+def out_of_memory_message(
+    run_dir: Path, kind: str, device: torch.device, quantized: ModelArguments | None, error: torch.OutOfMemoryError
+) -> str:
+    """One line for an out-of-memory while loading: what was loaded, how big, what the GPU had, what to do."""
+    name = run_dir if kind == "model" else adapter_base(run_dir)
+    what = "its model" if kind == "model" else f"its base {name}"
+    if quantized is not None:
+        what += f" quantized {quantized.quantization}"
+    size = weights_size(name, quantized)
+    # torch's own figures for the device, when it gave them: whether something else holds the memory
+    found = re.search(r"GPU \d+ has a total capacity of [\d.]+ \w+ of which [\d.]+ \w+ is free", str(error))
+    figures = "; ".join(part for part in (size and f"the weights take about {size}", found and found.group(0)) if part)
+    return (
+        f"{run_dir}: out of GPU memory loading {what} onto {device.type}{f' ({figures})' if figures else ''}: free "
+        "the GPU or use one with more memory, or chat on the CPU with --device cpu (slower)"
+    )
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[Turn]) -> list[int]:
@@ -255,6 +319,7 @@ def repl(chat: Chat, conversation: Conversation) -> None:
 def chat_with_run(options: argparse.Namespace) -> None:
     """`hf-scale chat`: load the run in `options.run_dir` and answer `--prompt`, standard input, or a terminal."""
     run_dir = Path(options.run_dir)
+    device = chat_device(options.device)
     kind = run_kind(run_dir)
     tokenizer = load_tokenizer(run_dir)
     conversation = Conversation(system=options.system)
@@ -262,9 +327,13 @@ def chat_with_run(options: argparse.Namespace) -> None:
         prompt_ids(tokenizer, [{"role": "system", "content": options.system}, {"role": "user", "content": "?"}])
     if options.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be positive, got {options.max_new_tokens}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    quantized = trained_quantization(run_dir) if kind == "adapter" else None
+    try:
+        model = load_model(run_dir, kind, device, quantized)
+    except torch.OutOfMemoryError as error:
+        raise HfScaleError(out_of_memory_message(run_dir, kind, device, quantized, error)) from None
     chat = Chat(
-        model=load_model(run_dir, kind, device),
+        model=model,
         tokenizer=tokenizer,
         max_new_tokens=options.max_new_tokens,
         do_sample=options.do_sample,

@@ -213,7 +213,13 @@ def chat_command(options: argparse.Namespace) -> None:
 def export_command(options: argparse.Namespace) -> None:
     from hf_scale.export import export_run
 
-    export_run(options.run_dir, options.out, merge_lora=options.merge_lora, dtype=options.dtype)
+    export_run(
+        options.run_dir,
+        options.out,
+        merge_lora=options.merge_lora,
+        dtype=options.dtype,
+        quantization=options.quantization,
+    )
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -301,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat_parser.add_argument("--temperature", type=float, default=0.7, help="with --do-sample")
     chat_parser.add_argument("--top-p", type=float, default=0.9, help="with --do-sample")
     chat_parser.add_argument("--seed", type=int, default=0, help="with --do-sample")
+    chat_parser.add_argument(
+        "--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: the GPU when there is one"
+    )
     chat_parser.set_defaults(run=chat_command)
 
     export_parser = commands.add_parser(
@@ -313,6 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export_parser.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: the base's dtype"
+    )
+    export_parser.add_argument(
+        "--quantization",
+        choices=["none", "nf4", "fp4", "int8"],
+        help="with --merge-lora, for an adapter folder without its run's run_config.json (copied out of its run, "
+        "or from the hub): how the "
+        "adapter's base was loaded in training (nf4, fp4, int8: QLoRA, with the recipe's double quantization and "
+        "bfloat16 compute; none: unquantized)",
     )
     export_parser.set_defaults(run=export_command)
     return parser

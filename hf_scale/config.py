@@ -105,13 +105,18 @@ def _unknown_key_error(key: str, known: list[str], source: str) -> ConfigError:
 def parse_config(parser: HfArgumentParser, argv: list[str]) -> tuple:
     """Parse `argv` (`--config FILE` plus flags) into `parser`'s dataclasses; flags override the file."""
     values = check_config(parser, argv)
+    # argparse has converted and checked every value's type by now (`check_config`): what fails below is a
+    # dataclass's `__post_init__`. Only the errors its checks raise on purpose are the user's; any other exception
+    # (AttributeError, KeyError, TypeError, ...) is a bug in that code and keeps its traceback. Where transformers
+    # fails with those on a malformed nested config (deepspeed, fsdp_config, accelerator_config),
+    # `ScaleTrainingArguments` raises a `ConfigError` naming the key.
     try:
         return parser.parse_dict(values)
     except ConfigError:
         raise
     except ValueError as error:  # TrainingArguments' own checks of value combinations
         raise ConfigError(f"invalid arguments: {error}") from None
-    except (OSError, TypeError, KeyError, AttributeError) as error:  # a value it could not use: a path to no file
+    except OSError as error:  # plain TrainingArguments opening a path to no file (fsdp_config, accelerator_config)
         raise ConfigError(f"invalid arguments: {type(error).__name__}: {error}") from None
 
 

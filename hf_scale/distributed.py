@@ -35,6 +35,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What a launcher (torchrun, accelerate launch, DeepSpeed's launcher) sets in each process it starts.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def single_process_launch_environment() -> dict[str, str]:
+    """What a launcher gives one process: rank 0 of 1, a free local port."""
+    return {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }  # fmt: skip
+
+
 def set_single_process_launch_environment() -> bool:
     """Give a process that no launcher started what a launcher gives one process: rank 0 of 1, a free local port.
 
@@ -44,10 +56,7 @@ def set_single_process_launch_environment() -> bool:
     """
     if any(os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return False
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )  # fmt: skip
+    os.environ.update(single_process_launch_environment())
     return True
 
 

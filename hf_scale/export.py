@@ -2,10 +2,11 @@
 
 OUT holds config.json, safetensors weights, generation_config.json, the tokenizer with the run's chat template and
 a README.md model card (training configuration and metrics from run_config.json and metrics.json). A LoRA run is
-merged into its base with `--merge-lora` (a QLoRA adapter into its base as quantized, then dequantized); without it
-the adapter is copied as is (loading it needs peft and the base). A DeepSpeed ZeRO checkpoint saved without
-consolidated weights (`stage3_gather_16bit_weights_on_model_save` off in a hand-written config) is consolidated
-with DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint`.
+merged into its base with `--merge-lora` (a QLoRA adapter into its base as quantized, then dequantized: as the run's
+run_config.json says, or `--quantization` for a folder without one); without it the adapter is copied as is (loading
+it needs peft and the base). A DeepSpeed ZeRO checkpoint saved without consolidated weights
+(`stage3_gather_16bit_weights_on_model_save` off in a hand-written config) is consolidated with DeepSpeed's
+`get_fp32_state_dict_from_zero_checkpoint`.
 
 OUT is written into a temporary folder beside it and renamed at the end, so a failed export leaves no half folder.
 """
@@ -24,10 +25,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from hf_scale.data.loading import looks_like_local_path
 from hf_scale.errors import ConfigError
-from hf_scale.modeling import PICKLE_FILES, SAFETENSORS_FILES, ModelArguments, check_model_is_safe, quantization_config
+from hf_scale.modeling import (
+    PICKLE_FILES,
+    QUANTIZATIONS,
+    SAFETENSORS_FILES,
+    ModelArguments,
+    check_model_is_safe,
+    quantization_config,
+)
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MERGE_QUANTIZATIONS = ("none", *QUANTIZATIONS)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The message the model card's loading example sends (tests run that example as written).
 CARD_EXAMPLE_MESSAGE = "What is 417 plus one?"
@@ -99,27 +108,70 @@ def load_causal_lm(name: str | Path, dtype: str) -> PreTrainedModel:
         raise ConfigError(f"cannot load the model {name}: {error}") from error
 
 
-def trained_quantization(run_dir: Path) -> ModelArguments | None:
-    """The model arguments of a QLoRA run (run_config.json beside the adapter or one folder up), else None."""
+def run_config_path(run_dir: Path) -> Path | None:
+    """The run's run_config.json: beside `run_dir` (a run's output_dir) or one folder up (one of its checkpoints)."""
     for folder in (run_dir, run_dir.parent):
-        settings = (read_json(folder / "run_config.json") or {}).get("model")
-        if isinstance(settings, dict):
-            if settings.get("quantization") in (None, "None"):
-                return None
-            known = {f.name for f in dataclasses.fields(ModelArguments)}
-            return ModelArguments(**{key: value for key, value in settings.items() if key in known})
+        if isinstance((read_json(folder / "run_config.json") or {}).get("model"), dict):
+            return folder / "run_config.json"
     return None
 
 
-def merge_adapter(run_dir: Path, base: str, dtype: str) -> PreTrainedModel:
+def trained_model_arguments(run_config: Path) -> ModelArguments:
+    """The model arguments a run trained with: the "model" section of its run_config.json."""
+    settings = read_json(run_config)["model"]
+    known = {f.name for f in dataclasses.fields(ModelArguments)}
+    arguments = {key: value for key, value in settings.items() if key in known}
+    if arguments.get("quantization") == "None":  # as an older run_config.json wrote None
+        arguments["quantization"] = None
+    return ModelArguments(**arguments)
+
+
+def trained_quantization(run_dir: Path) -> ModelArguments | None:
+    """The model arguments of a QLoRA run (its run_config.json says how its base was quantized), else None: a LoRA
+    run, or a folder without run_config.json."""
+    run_config = run_config_path(run_dir)
+    trained = trained_model_arguments(run_config) if run_config else None
+    return trained if trained is not None and trained.quantization else None
+
+
+def merge_quantization(run_dir: Path, given: str | None) -> ModelArguments | None:
+    """How the base of the adapter to merge was loaded in training: a QLoRA run's model arguments, None for LoRA.
+
+    An adapter folder does not record it (adapter_config.json names the base, nothing more): it is read from the
+    run's run_config.json (a search writes one beside its best-model), or taken from `given` (--quantization) where
+    there is none, as for an adapter copied out of its run. Neither: a `ConfigError`, since a QLoRA adapter merged
+    into the unquantized base gives weights it never trained with, and nothing would show it.
+    """
+    run_config = run_config_path(run_dir)
+    if run_config is None:
+        if given is None:
+            raise ConfigError(
+                f"{run_dir}: no run_config.json beside it or one folder up, so whether its adapter was trained on a "
+                "quantized base (QLoRA) is not known: pass --quantization nf4 (or fp4, int8) as the run was trained, "
+                "or --quantization none for an adapter trained on the unquantized base"
+            )
+        # The recipe's defaults for the rest (double quantization, bfloat16 compute); lora_r only passes the check
+        # that a quantized base has adapters.
+        return None if given == "none" else ModelArguments(quantization=given, lora_r=1)
+    trained = trained_model_arguments(run_config)
+    recorded = trained.quantization or "none"
+    if given is not None and given != recorded:
+        raise ConfigError(
+            f"{run_config} says quantization {recorded}, the way its base was loaded in training; --quantization "
+            f"{given} contradicts it: leave the flag out"
+        )
+    return trained if trained.quantization else None
+
+
+def merge_adapter(run_dir: Path, base: str, dtype: str, quantized: ModelArguments | None) -> PreTrainedModel:
     """The base with the run's LoRA adapter merged in, in the base's dtype (or `dtype`).
 
-    A QLoRA adapter was trained on the quantized base, not on the original weights: the base is quantized as the
-    run loaded it and dequantized (transformers' `dequantize`), so the merged weights are the ones it trained on.
+    A QLoRA adapter (`quantized`: its run's model arguments) was trained on the quantized base, not on the original
+    weights: the base is quantized as the run loaded it and dequantized (transformers' `dequantize`), so the merged
+    weights are the ones it trained on.
     """
     from peft import PeftModel
 
-    quantized = trained_quantization(run_dir)
     if quantized is None:
         base_model = load_causal_lm(base, dtype)
     else:
@@ -329,20 +381,36 @@ def _size(folder: Path) -> str:
 
 
 def export_run(
-    run_dir: str | os.PathLike, out: str | os.PathLike, merge_lora: bool = False, dtype: str = "auto"
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    merge_lora: bool = False,
+    dtype: str = "auto",
+    quantization: str | None = None,
 ) -> Path:
-    """Write the run in `run_dir` to the new folder `out` as a plain HF folder (see the module docstring)."""
+    """Write the run in `run_dir` to the new folder `out` as a plain HF folder (see the module docstring).
+
+    `quantization` ("none", "nf4", "fp4", "int8"): how the base of the adapter to merge was loaded in training, for
+    a folder without its run's run_config.json (`merge_quantization`).
+    """
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantization not in (None, *MERGE_QUANTIZATIONS):
+        raise ConfigError(f"--quantization: expected one of {', '.join(MERGE_QUANTIZATIONS)}, got {quantization!r}")
     kind = run_kind(run_dir)
     check_out(out)
     base = adapter_base(run_dir) if kind == "adapter" else None
     copy_adapter = kind == "adapter" and not merge_lora
     if copy_adapter and dtype != "auto":
         raise ConfigError(f"--dtype {dtype} converts a model; {run_dir} holds a LoRA adapter: add --merge-lora")
+    if quantization is not None and (kind != "adapter" or not merge_lora):
+        raise ConfigError(
+            f"--quantization says how a LoRA adapter's base was loaded, to merge it with --merge-lora; {run_dir} "
+            + ("holds a LoRA adapter: add --merge-lora" if kind == "adapter" else "holds a full model")
+        )
     if merge_lora and kind != "adapter":
         print(f"note: {run_dir} holds a full model, not a LoRA adapter: --merge-lora has nothing to merge")
+    quantized = merge_quantization(run_dir, quantization) if kind == "adapter" and merge_lora else None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -354,7 +422,7 @@ def export_run(
             saved_dtype = "adapter weights as saved"
         else:
             if kind == "adapter":
-                model = merge_adapter(run_dir, base, dtype)
+                model = merge_adapter(run_dir, base, dtype, quantized)
             elif kind == "zero":
                 model = consolidate_zero_checkpoint(run_dir, dtype)
             else:

@@ -181,13 +181,14 @@ def quantized_linear_bytes(in_features: int, out_features: int, quantization: st
     return math.ceil(weights / 2) + constants + 4 * 16
 
 
-def quantized_base_bytes(shape: ModelShape, quantization: str, double: bool = True) -> float:
-    """The whole base as a QLoRA run holds it: the projections quantized, everything else in fp32."""
+def quantized_base_bytes(shape: ModelShape, quantization: str, double: bool = True, other_bytes: int = 4) -> float:
+    """The whole base as a QLoRA run holds it: the projections quantized, everything else in fp32 (`other_bytes` a
+    weight: a base loaded to answer, not prepared for training, keeps the rest in its own dtype)."""
     quantized = shape.layers * sum(
         quantized_linear_bytes(i, o, quantization, double) for i, o in shape.projections.values()
     )
     linear_weights = shape.layers * sum(i * o for i, o in shape.projections.values())
-    return quantized + 4 * (shape.parameters - linear_weights)
+    return quantized + other_bytes * (shape.parameters - linear_weights)
 
 
 def activation_bytes(shape: ModelShape, workload: Workload) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -270,3 +271,90 @@ def test_a_lora_run_answers_with_its_adapter_on_its_base(trained_tiny_lora_run, 
         result = run_cli(capsys, "chat", str(trained_tiny_lora_run), *flags)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout == answer + "\n"
+
+
+# --- a QLoRA run: its adapter on its base quantized as training loaded it ------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_qlora_run_answers_on_its_quantized_base_on_cpu(trained_tiny_qlora_run, capsys):
+    # bitsandbytes quantizes on the CPU too: the adapter answers on the NF4 weights it was trained with there as well.
+    import bitsandbytes as bnb
+    from peft import PeftModel
+
+    from hf_scale.chat import load_model
+    from hf_scale.export import trained_quantization
+    from hf_scale.modeling import ModelArguments, quantization_config
+
+    run = trained_tiny_qlora_run
+    model = load_model(run, "adapter", torch.device("cpu"), trained_quantization(run))
+    assert any(isinstance(module, bnb.nn.Linear4bit) for module in model.modules())
+    base_path = json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    settings = quantization_config(ModelArguments(lora_r=8, quantization="nf4"))
+    base = AutoModelForCausalLM.from_pretrained(base_path, quantization_config=settings, device_map={"": "cpu"})
+    reference = PeftModel.from_pretrained(base, run).eval()
+    tokenizer = AutoTokenizer.from_pretrained(run)
+    for record in questions(3):
+        result = run_cli(capsys, "chat", str(run), "--prompt", record["instruction"], "--max-new-tokens", "8")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout == greedy(reference, tokenizer, [user(record["instruction"])], max_new_tokens=8) + "\n"
+
+
+class LoadStopped(Exception):
+    """Raised by the recording loader: what the command would load is known, nothing is loaded."""
+
+
+def record_loads(monkeypatch, raise_error: BaseException) -> list[tuple[tuple, dict]]:
+    """`AutoModelForCausalLM.from_pretrained` replaced by one that records its arguments and raises `raise_error`."""
+    calls: list[tuple[tuple, dict]] = []
+
+    def from_pretrained(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise raise_error
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    return calls
+
+
+@pytest.mark.slow
+def test_a_qlora_run_on_cuda_loads_its_base_quantized_as_training_did(trained_tiny_qlora_run, monkeypatch):
+    # A 13B QLoRA run trained on a 24 GB card does not fit it as a 16-bit base (26 GB): chat loads the base as the run
+    # did, quantized, straight onto the GPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = record_loads(monkeypatch, LoadStopped())
+    with pytest.raises(LoadStopped):
+        main(["chat", str(trained_tiny_qlora_run), "--prompt", "What is 417 plus one?"])
+    (args, kwargs) = calls[-1]
+    base = json.loads((trained_tiny_qlora_run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert str(args[0]) == base
+    settings = kwargs.get("quantization_config")
+    assert settings is not None, kwargs
+    trained = json.loads((trained_tiny_qlora_run / "run_config.json").read_text())["model"]
+    assert (trained["quantization"], trained["double_quantization"]) == ("nf4", True)
+    assert settings.load_in_4bit and settings.bnb_4bit_quant_type == "nf4" and settings.bnb_4bit_use_double_quant
+    assert settings.bnb_4bit_compute_dtype == getattr(torch, trained["quantization_compute_dtype"])
+    assert kwargs.get("device_map") == {"": "cuda"}  # one whole copy on the GPU, as loaded, never moved there after
+
+
+@pytest.mark.slow
+def test_out_of_gpu_memory_while_loading_is_one_line_saying_what_to_do(trained_tiny_qlora_run, monkeypatch, capsys):
+    torch_message = (
+        "CUDA out of memory. Tried to allocate 136.00 MiB. GPU 0 has a total capacity of 23.65 GiB of which 3.06 MiB "
+        "is free. Including non-PyTorch memory, this process has 23.64 GiB memory in use."
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    record_loads(monkeypatch, torch.OutOfMemoryError(torch_message))
+    result = run_cli(capsys, "chat", str(trained_tiny_qlora_run), "--prompt", "What is 417 plus one?")
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"hf-scale: error: {trained_tiny_qlora_run}: out of GPU memory loading"), line
+    assert "quantized nf4" in line and "GPU 0 has a total capacity of 23.65 GiB of which 3.06 MiB is free" in line
+    assert re.search(r"weights take about [\d.]+ (MiB|GiB)", line), line
+    assert "--device cpu" in line
+
+
+def test_device_cuda_without_one_is_refused(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = run_cli(capsys, "chat", str(tiny_model_dir), "--prompt", "x", "--device", "cuda")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "hf-scale: error: --device cuda: torch sees no CUDA device here"

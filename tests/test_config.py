@@ -1,3 +1,5 @@
+from dataclasses import dataclass
+
 import pytest
 from transformers import HfArgumentParser
 
@@ -84,3 +86,62 @@ def test_unreadable_config_files(parser, tmp_path, text, message):
 def test_transformers_own_checks_become_config_errors(parser, tmp_path):
     with pytest.raises(ConfigError, match="invalid arguments"):
         parse_config(parser, ["--output_dir", str(tmp_path), "--bf16", "--fp16"])
+
+
+@dataclass
+class BuggyArguments:
+    """A `__post_init__` with a bug in its code: whatever the value, it raises."""
+
+    name: str = "x"
+    error: str = "AttributeError"
+
+    def __post_init__(self):
+        if self.error == "AttributeError":
+            self.name.no_such_method()
+        elif self.error == "KeyError":
+            {}["no_such_key"]
+        else:
+            len(5)
+
+
+@pytest.mark.parametrize("error", ["AttributeError", "KeyError", "TypeError"])
+def test_a_bug_in_a_post_init_propagates_with_its_traceback(error):
+    with pytest.raises(Exception) as caught:
+        parse_config(HfArgumentParser(BuggyArguments), ["--name", "y", "--error", error])
+    assert type(caught.value).__name__ == error  # the bug itself, not a ConfigError that hides it
+    assert caught.traceback[-1].name == "__post_init__"  # its stack reaches the line at fault
+
+
+# The nested configs that transformers, accelerate and DeepSpeed read without checking their shape: a section that
+# is not a mapping, an unknown key, a path to no file. Each is still one line naming the key.
+NESTED_CONFIG_MISTAKES = [
+    (["--deepspeed", '{"zero_optimization": 3}'], r"deepspeed: .*AttributeError"),
+    (["--deepspeed", '{"optimizer": {"type": "AdamW", "params": 3}}'], r"deepspeed: .*AttributeError"),
+    (["--deepspeed", '{"tensor_parallel": 5}'], r"deepspeed: tensor_parallel must be a mapping .*got 5"),
+    (["--deepspeed", '{"tensor_parallel": {"autotp_size": 0}}'], r"deepspeed: tensor_parallel.autotp_size must be"),
+    (["--accelerator_config", "./no-such-file.json"], r"accelerator_config: .*no-such-file.json"),
+    (["--accelerator_config", '{"bogus_key": 1}'], r"accelerator_config: .*bogus_key"),
+    (["--fsdp", "full_shard", "--fsdp_config", "./no-such-file.json"], r"fsdp_config: .*no-such-file.json"),
+    (["--fsdp", "full_shard", "--fsdp_config", '{"transformer_layer_cls_to_wrap": 5}'], r"fsdp_config: .*TypeError"),
+]
+
+
+@pytest.mark.parametrize("flags, message", NESTED_CONFIG_MISTAKES, ids=[" ".join(f) for f, _ in NESTED_CONFIG_MISTAKES])
+def test_a_malformed_nested_config_is_one_line_naming_its_key(parser, tmp_path, flags, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        parse_config(parser, ["--output_dir", str(tmp_path), *flags])
+    assert "\n" not in str(caught.value)
+
+
+def test_a_deepspeed_file_that_is_not_a_mapping_names_the_file(parser, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"deepspeed: .*ds.json must hold a JSON object \(a mapping\), got list"):
+        parse_config(parser, ["--output_dir", str(tmp_path), "--deepspeed", str(path)])
+
+
+def test_report_to_null_is_refused_by_name(parser, tmp_path):
+    # transformers 5 keeps a null report_to as [None] and fails only once the Trainer starts
+    config = write(tmp_path, f"output_dir: {tmp_path}/out\nreport_to: null\n")
+    with pytest.raises(ConfigError, match=r"report_to: names integrations \(or none, or all\), got \[None\]"):
+        parse_config(parser, ["--config", config])

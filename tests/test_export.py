@@ -170,6 +170,41 @@ def test_qlora_export_merges_into_the_dequantized_base_it_trained_on(trained_tin
 
 
 @pytest.mark.slow
+def test_qlora_adapter_without_its_run_config_merges_only_when_told(trained_tiny_qlora_run, tmp_path, capsys):
+    """An adapter folder records nothing of how its base was loaded: without the run's run_config.json (a search's
+    best-model, a checkpoint copied elsewhere) a QLoRA adapter would be merged into the unquantized base, silently."""
+    run, adapter = trained_tiny_qlora_run, tmp_path / "best-model"
+    adapter.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(run / name, adapter / name)
+
+    result = export(capsys, adapter, tmp_path / "refused", "--merge-lora")
+    assert result.returncode == 2, result.stdout[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"hf-scale: error: {adapter}: no run_config.json beside it or one folder up"), line
+    assert "--quantization nf4" in line and "--quantization none" in line
+    assert not (tmp_path / "refused").exists()
+    result = export(capsys, adapter, tmp_path / "refused", "--quantization", "nf4")  # it only says how to merge
+    assert result.returncode == 2 and "holds a LoRA adapter: add --merge-lora" in result.stderr
+
+    # Told the run's quantization, it merges the weights that the export reading run_config.json merges.
+    assert_succeeded(export(capsys, adapter, tmp_path / "told", "--merge-lora", "--quantization", "nf4"))
+    assert_succeeded(export(capsys, run, tmp_path / "recorded", "--merge-lora"))
+    assert_same_weights(tmp_path / "recorded" / "model.safetensors", tmp_path / "told" / "model.safetensors")
+    # ...which are not the unquantized merge that `--quantization none` asks for
+    assert_succeeded(export(capsys, adapter, tmp_path / "unquantized", "--merge-lora", "--quantization", "none"))
+    with pytest.raises(AssertionError):
+        assert_same_weights(tmp_path / "recorded" / "model.safetensors", tmp_path / "unquantized" / "model.safetensors")
+
+    # A flag that contradicts the run's own record is refused, not obeyed.
+    result = export(capsys, run, tmp_path / "contradicted", "--merge-lora", "--quantization", "none")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{run / 'run_config.json'} says quantization nf4" in line and "--quantization none" in line, line
+    assert not (tmp_path / "contradicted").exists()
+
+
+@pytest.mark.slow
 def test_lora_export_converts_dtype_or_copies_the_adapter(trained_tiny_lora_run, tmp_path, capsys):
     result = export(capsys, trained_tiny_lora_run, tmp_path / "bf16", "--merge-lora", "--dtype", "bfloat16")
     assert_succeeded(result)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from datasets import Dataset, load_dataset
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
 from hf_scale.errors import ConfigError, DataError
 
@@ -93,7 +94,7 @@ def read_records(data: str | Dataset, key: str = "dataset") -> tuple[list, str]:
     if isinstance(data, Dataset):
         return data.to_list(), "the given Dataset"
     if not (path := Path(data).expanduser()).exists() and not looks_like_local_path(data):
-        return load_dataset(data, split="train").to_list(), data
+        return _hub_records(data, key), data
     if not path.exists():
         raise ConfigError(f"{key}: data file not found: {data}")
     builder, files = _data_files(path, key, data)
@@ -108,6 +109,45 @@ def read_records(data: str | Dataset, key: str = "dataset") -> tuple[list, str]:
             for file in files:
                 _read_text(file, key)  # an undecodable or empty file: named with its line
         raise DataError(f"{key}: could not read {data}: {_cause(error)}") from error
+
+
+def _hub_records(name: str, key: str) -> list:
+    """The records of the `train` split of hub dataset `name` (no local file or folder has that name).
+
+    A misspelt id, a hub out of reach (no network, or HF_HUB_OFFLINE set and the dataset not in the cache) and a
+    dataset without a `train` split are each a `ConfigError` naming `key`, the id and what to do. Only the errors
+    datasets and huggingface_hub raise for those are caught: anything else is a bug and keeps its traceback.
+    """
+    where = f"{key}: no local file or folder {name}"  # a mistyped path lands here too: it may not be an id at all
+    try:
+        splits = load_dataset(name)  # every split: download_and_prepare builds them all even when one is asked for
+    except HFValidationError as error:  # "owner/na--me", spaces, over 96 characters: no request is even made
+        raise ConfigError(f"{where}, and it is no valid hub dataset id ({_one_line(error)}): check the path") from None
+    except ConnectionError as error:  # no network, or HF_HUB_OFFLINE set (OfflineModeIsEnabled is one)
+        raise ConfigError(
+            f"{where}, and the Hugging Face hub is out of reach for a dataset of that id ({_one_line(error)}): check "
+            "the path or the id, the network, or HF_HUB_OFFLINE (when set, only datasets already in the cache load)"
+        ) from None
+    except FileNotFoundError as error:  # DatasetNotFoundError (no such id, or gated), DataFilesNotFoundError, ...
+        raise ConfigError(
+            f"{where}, nor a hub dataset of that id ({_one_line(error)}): check the path or the id (owner/name); "
+            "a gated dataset needs `hf auth login` and access granted on its page"
+        ) from None
+    except HfHubHTTPError as error:  # the hub answered with an error: rate limit, server error, revoked token
+        raise ConfigError(f"{key}: the Hugging Face hub failed on dataset {name}: {_one_line(error)}") from None
+    if "train" not in splits:
+        names = sorted(splits)
+        raise ConfigError(
+            f"{key}: hub dataset {name} has no 'train' split (its splits: {', '.join(names)}); hf_scale trains on "
+            f"the train split: save the split you want as a file, e.g. load_dataset({name!r}, split={names[0]!r})"
+            ".to_json('data.jsonl'), and give that file"
+        )
+    return splits["train"].to_list()
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line: the recipe prints one `error:` line (hub errors add a request id line)."""
+    return " ".join(str(error).split())
 
 
 def _read_text(file: str, key: str) -> str:

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from hf_scale.distributed import free_port
+from hf_scale.distributed import LAUNCHER_VARIABLES, free_port, single_process_launch_environment
 from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.hpo.storage import fail_trial, quiet_experimental
 
@@ -97,12 +98,30 @@ class Worker:
     def name(self) -> str:
         return f"{self.slot}.{self.starts - 1}"
 
-    def start(self) -> None:
-        env = {**os.environ, WORKER_ENV: f"{self.slot}.{self.starts}"}
-        if self.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
+    def start(self, parallel_trials: int) -> None:
+        env = worker_environment(self.devices, parallel_trials)
+        env[WORKER_ENV] = f"{self.slot}.{self.starts}"
         self.starts += 1
-        self.process = subprocess.Popen(worker_command(self.devices), env=env)
+        # Its own process group: a terminal's Ctrl-C reaches the launcher alone, which stops each worker once.
+        self.process = subprocess.Popen(worker_command(self.devices), env=env, process_group=0)
+
+
+def worker_environment(devices: list[str] | None, parallel_trials: int) -> dict[str, str]:
+    """The launcher's environment for a worker on `devices` (None: CPU), one of `parallel_trials`.
+
+    A worker is a launch of its own: it does not inherit the launcher's rank variables (which a one-process ZeRO
+    run sets, port included; two workers on one port fail with EADDRINUSE). A one-process worker gets rank 0 of 1
+    on a port of its own where the launcher had such variables (DeepSpeed needs them); torchrun sets them for a
+    worker on several devices. On CPU the cores are split between the workers, which would each use all of them.
+    """
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_VARIABLES}
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    if (devices is None or len(devices) == 1) and os.environ.get("WORLD_SIZE") == "1":
+        env.update(single_process_launch_environment())
+    if devices is None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // parallel_trials))
+    return env
 
 
 def fail_trials_of(study: optuna.Study, storage: optuna.storages.BaseStorage, worker: str, retry: Any) -> list[int]:
@@ -119,10 +138,13 @@ def run_workers(study: optuna.Study, storage: optuna.storages.BaseStorage, setti
         retry = RetryHeartbeatStaleTrialCallback(max_retry=settings.max_retry)
     workers = [Worker(slot, None if groups is None else groups[slot]) for slot in range(settings.parallel_trials)]
     for worker in workers:
-        worker.start()
+        worker.start(settings.parallel_trials)
     share = "one process" if groups is None else f"{len(groups[0])} GPU(s)"
     say(f"{len(workers)} workers started, each on {share}, on one study")
     exits, any_succeeded = [], False
+    # A scheduler's preemption or `kill` stops the workers as Ctrl-C does, instead of leaving them on the GPUs.
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
+    previous_handler = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
     try:
         while running := [worker for worker in workers if worker.process is not None]:
             time.sleep(POLL_SECONDS)
@@ -139,7 +161,7 @@ def run_workers(study: optuna.Study, storage: optuna.storages.BaseStorage, setti
                 if failed:
                     say(f"worker {worker.name} died (exit code {code}) in trial(s) {failed}: marked failed")
                     if worker.starts <= settings.max_retry:
-                        worker.start()
+                        worker.start(settings.parallel_trials)
                         say(f"worker {worker.name} takes its place")
                 else:
                     say(f"worker {worker.name} exited with code {code}")
@@ -148,9 +170,20 @@ def run_workers(study: optuna.Study, storage: optuna.storages.BaseStorage, setti
         for worker in workers:
             fail_trials_of(study, storage, worker.name, retry=None)
         raise
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_handler)
     if not any_succeeded:
         raise HfScaleError(f"every worker of the search failed: {'; '.join(exits)}")
     return f"every worker ended ({'; '.join(exits)})" if exits else "every worker ended"
+
+
+class Terminated(SystemExit):
+    """SIGTERM reached the launcher: it exits with 143 (128 + SIGTERM, as the signal would) once the workers end."""
+
+
+def raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(128 + signum)
 
 
 def stop_all(workers: list[Worker]) -> None:

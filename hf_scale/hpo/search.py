@@ -9,6 +9,7 @@ At the end the best trial's model is reloaded (or retrained) into the trainer on
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import json
 import os
@@ -52,6 +53,44 @@ PRUNERS = ("median", "asha", "hyperband", "none")
 
 class TrialFailed(RuntimeError):
     """A trial raised on at least one rank; the study records it FAIL and the search goes on."""
+
+
+class TrialNotRun(TrialFailed):
+    """Asked for beyond n_trials (workers that asked at the same moment): recorded FAIL with `not_run`, not counted."""
+
+
+# This many failed trials in a row with one error, and none complete: a setup problem that no value of the search fixes.
+SAME_ERROR_TRIALS = 3
+# Set on a trial that was created but never run (TrialNotRun); such a trial counts neither as a trial nor a failure.
+NOT_RUN = "not_run"
+
+
+def runs_of(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """The trials that ran or run (any state), without those created beyond n_trials and never run."""
+    return [t for t in trials if NOT_RUN not in t.user_attrs]
+
+
+def same_error_every_time(trials: list[optuna.trial.FrozenTrial]) -> str | None:
+    """The error of the first SAME_ERROR_TRIALS finished trials when each failed with it (its first line), else None.
+
+    A diverging training is left out: a learning rate too high is a value the search is there to rule out.
+    """
+    first = [t for t in trials if t.state.is_finished()][:SAME_ERROR_TRIALS]
+    if len(first) < SAME_ERROR_TRIALS or any(t.state != TrialState.FAIL for t in first):
+        return None
+    # "rank 0: ModuleNotFoundError: ..." without the rank: the same error may be first seen on any rank.
+    errors = {t.user_attrs.get("error", "").split("\n")[0].split(": ", 1)[-1] for t in first}
+    error = errors.pop() if len(errors) == 1 else ""
+    return error if error and not error.startswith("TrainingDiverged") else None
+
+
+def best_of(trials: list[optuna.trial.FrozenTrial], direction: str) -> optuna.trial.FrozenTrial | None:
+    """The best complete trial of `trials` (the study's rule: the first of equal values), or None."""
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if not complete:
+        return None
+    sign = 1 if direction == "minimize" else -1
+    return min(complete, key=lambda t: (sign * t.value, t.number))
 
 
 @dataclass
@@ -159,7 +198,8 @@ class Search:
                 "hyperparameter_search needs model_init (a fresh model for each trial), or a LoRA PeftModel "
                 "whose adapters it re-creates for each trial (lora_fast_path)"
             )
-        trainer.model = trainer.model_wrapped = None  # each trial builds its own; this one would only hold memory
+        # Each trial builds its own model; this one would only hold memory (the callback handler holds it too).
+        trainer.model = trainer.model_wrapped = trainer.callback_handler.model = None
         # Sized by the processes that each see their own batch (tensor-parallel ranks share one).
         self.hp_space = hp_space or default_hp_space(
             args.data_parallel_size, peft=isinstance(initial_model, PeftModel), min_learning_rate=args.min_learning_rate
@@ -169,6 +209,7 @@ class Search:
         self.trial: optuna.Trial | None = None
         self.study_best: float | None = None  # the study's best value when the running trial started
         self.deadline = time.time() + settings.timeout if settings.timeout else None
+        self.started = datetime.datetime.now()  # the trials of this search, not those of a study it goes on with
         self.peers_gone = False
         self.storage: optuna.storages.BaseStorage | None = None
         self.journal_heartbeat: JournalHeartbeat | None = None
@@ -237,7 +278,7 @@ class Search:
         else:
             with quiet_experimental():
                 optuna.storages.fail_stale_trials(study)  # a dead worker's trial: FAIL and queued again
-        trials = study.get_trials(deepcopy=False)
+        trials = runs_of(study.get_trials(deepcopy=False))
         counted = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING) for t in trials)
         failures = sum(t.state == TrialState.FAIL for t in trials)
         if counted >= self.settings.n_trials:
@@ -247,7 +288,25 @@ class Search:
         max_failures = self.settings.max_failures or self.settings.n_trials
         if failures >= max_failures:
             return f"{failures} failed trial(s), max_failures={max_failures}"
+        this_search = [t for t in trials if (t.datetime_start or self.started) >= self.started]
+        if (error := same_error_every_time(this_search)) is not None:
+            return f"its first {SAME_ERROR_TRIALS} trials failed with one error, which no value searched fixes: {error}"
         return None
+
+    def check_within_budget(self, trial: optuna.Trial) -> None:
+        """Raise TrialNotRun when the study held n_trials before this trial was created.
+
+        Optuna has no cap shared by workers: each checks the study, then asks for a trial, so two workers that
+        check at the same moment both get one. Trial numbers are given in the order trials are created, so the
+        trials numbered below this one are exactly those that existed first.
+        """
+        earlier = [t for t in runs_of(self.study.get_trials(deepcopy=False)) if t.number < trial.number]
+        counted = sum(t.state != TrialState.FAIL for t in earlier)
+        if counted >= self.settings.n_trials:
+            reason = f"the study already held n_trials={self.settings.n_trials} trial(s) when it was created"
+            trial.set_user_attr(NOT_RUN, reason)
+            say(f"trial {trial.number} not run: {reason}")
+            raise TrialNotRun(reason)
 
     def decide(self, value: float, evaluation: int) -> Decision:
         """Rank 0, after each evaluation: report it, and say whether to prune or stop and whether it beats the study."""
@@ -265,6 +324,7 @@ class Search:
         with contextlib.suppress(ValueError):  # no complete trial yet
             self.study_best = self.study.best_value
         try:
+            self.check_within_budget(trial)
             params = dict(self.hp_space(trial))
             run_name = self.hp_name(trial) if self.hp_name else f"{self.base_run_name}-trial-{trial.number}"
         except Exception:
@@ -323,10 +383,10 @@ class Search:
         """Optuna callback, after the user's: delete the checkpoints of the finished trials except the best trial's
         (the search keeps O(1) checkpoints; a trial still running, here or on another worker, keeps its own); stop
         the study when it is time."""
-        best = None
-        with contextlib.suppress(ValueError):  # no complete trial yet
-            best = study.best_trial.number
-        finished = {t.number for t in study.get_trials(deepcopy=False) if t.state.is_finished()} - {best}
+        # The best trial from the same list: read apart, a best trial finished in between would lose its checkpoint.
+        trials = study.get_trials(deepcopy=False)
+        best = best_of(trials, self.direction)
+        finished = {t.number for t in trials if t.state.is_finished()} - {best.number if best else None}
         for number in finished:
             for checkpoint in (Path(self.output_dir) / trial_folder(number)).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
                 shutil.rmtree(checkpoint, ignore_errors=True)
@@ -444,6 +504,8 @@ class Search:
             why = "retrain_best" if self.settings.retrain_best else "its checkpoint is not on every node or ZeRO-3"
             say(f"best trial {best.number} ({best.value}): training it again ({why})")
             trainer.args.output_dir = str(Path(self.output_dir) / "best-retrain")
+            if self.launches_workers:
+                train_on_one_device(trainer.args)
             model_init, trainer.model_init = trainer.model_init, None
             try:
                 trainer.train()
@@ -468,6 +530,17 @@ class Search:
             (Path(self.output_dir) / "best-model" / "hpo_best_trial.json").write_text(
                 json.dumps({**asdict(best), "retrained": retrain}, indent=2, default=str) + "\n"
             )
+
+
+def train_on_one_device(args: Any) -> None:
+    """The launcher of a parallel search retrains on one device, as each worker trained its trials.
+
+    It sees every GPU of the node, where the stock Trainer would wrap the model in nn.DataParallel and train a
+    batch as many times larger (the launcher refuses workers of several GPUs that would need it to retrain). Trainer
+    sets `_n_gpu` itself the same way for a model-parallel model.
+    """
+    if args.n_gpu > 1:
+        args._n_gpu = 1
 
 
 def hyperparameter_search(

@@ -71,9 +71,10 @@ class SearchArguments:
     max_failures: int | None = field(
         default=None,
         metadata={
-            "help": "End the search after this many failed trials (default: n_trials), e.g. a broken setup. A trial "
-            "fails, and the search goes on, when it raises or its training diverges (its loss NaN/Inf or spiking: a "
-            "learning rate too high); a wrong setting (a configuration error) ends the search at its first trial."
+            "help": "End the search after this many failed trials (default: n_trials). A trial fails, and the search "
+            "goes on, when it raises or its training diverges (its loss NaN/Inf or spiking: a learning rate too "
+            "high). The search ends at once on a wrong setting (a configuration error, at its first trial) and when "
+            "its first 3 trials fail with one error other than a divergence (a broken setup, e.g. a missing package)."
         },
     )
     trial_end_timeout: float = field(

@@ -149,7 +149,14 @@ class JournalHeartbeat:
 
         def beat() -> None:
             while True:
-                self.storage.set_trial_system_attr(trial_id, HEARTBEAT_KEY, time.time())
+                try:
+                    self.storage.set_trial_system_attr(trial_id, HEARTBEAT_KEY, time.time())
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    return  # another worker judged it dead already; the trial's own end reports that
+                except Exception as error:  # noqa: BLE001 -- a shared filesystem's hiccup must not end the heartbeats
+                    # One missed beat is within the grace period (twice the interval by default); a thread that ended
+                    # here would let another worker fail and queue again a trial that is still running.
+                    warnings.warn(f"trial {trial_number}: heartbeat not written ({error}); trying again", stacklevel=1)
                 if self._stop.wait(self.interval):
                     return
 

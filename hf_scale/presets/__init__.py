@@ -51,7 +51,10 @@ def load_deepspeed_config(config: dict | str) -> dict[str, Any]:
     if not inline and not Path(config).is_file():
         raise ConfigError(f"deepspeed: config file not found: {config}")
     try:
-        return json.loads(config if inline else Path(config).read_text())
+        loaded = json.loads(config if inline else Path(config).read_text())
     except json.JSONDecodeError as error:
         what = "not valid JSON" if inline else f"{config} is not valid JSON"
         raise ConfigError(f"deepspeed: {what}: {error}") from None
+    if not isinstance(loaded, dict):  # else transformers takes a list for a path to open, and fails far away
+        raise ConfigError(f"deepspeed: {config} must hold a JSON object (a mapping), got {type(loaded).__name__}")
+    return loaded

@@ -25,6 +25,7 @@ continues where it stopped. `hf-scale report output_dir/optuna_study.db` shows t
 """
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from hf_scale.arguments import ScaleTrainingArguments, prepare_run
@@ -70,7 +71,12 @@ def main(argv: list[str]) -> dict:
     )
     results = {"best_trial": best.run_id, "objective": best.objective, "hyperparameters": best.hyperparameters}
     if trainer.is_world_process_zero():
-        (Path(args.output_dir) / "best_run.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        output_dir = Path(args.output_dir)
+        (output_dir / "best_run.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        # How the base was loaded (a QLoRA search's quantization): chat and export read it one folder up from
+        # best-model. The trials' own values are in best_run.json.
+        run_config = {"model": asdict(model_args), "data": asdict(data_args), "training": args.to_sanitized_dict()}
+        (output_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str) + "\n")
         print(f"best trial {best.run_id}: {args.metric_for_best_model or 'eval_loss'} {best.objective:.4g} with")
         print(json.dumps(best.hyperparameters, indent=2, default=str))
     trainer.accelerator.end_training()  # the process group ends before the interpreter does

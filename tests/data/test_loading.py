@@ -1,8 +1,14 @@
 import json
 
+import datasets.config
+import httpx
+import huggingface_hub.constants
 import pytest
 from datasets import Dataset
+from datasets.exceptions import DatasetNotFoundError
+from huggingface_hub.errors import HfHubHTTPError
 
+import hf_scale.data.loading
 from hf_scale.data.loading import FieldNames, check_records, load_records, split_records
 from hf_scale.errors import ConfigError, DataError
 from tests.helpers import SHARED_DATA
@@ -108,3 +114,97 @@ def test_real_alpaca_sets_load_whole(name, count, with_input):
     records, check = load_records(str(SHARED_DATA / name))
     assert len(records) == count and not check.skipped
     assert sum(1 for r in records if r["input"]) == with_input
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """HF_HUB_OFFLINE=1 as a user sets it, and as datasets and huggingface_hub read it (once, at import)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))  # nothing cached
+
+
+@pytest.mark.parametrize("key", ["dataset", "eval_dataset"])
+def test_a_hub_id_out_of_reach_names_the_key_the_id_and_what_to_do(offline, key):
+    with pytest.raises(ConfigError) as caught:
+        load_records("hf-scale-tests/no-such-dataset", key=key)
+    message = str(caught.value)
+    assert message.startswith(f"{key}: no local file or folder hf-scale-tests/no-such-dataset, and the Hugging Face")
+    assert "check the path or the id, the network, or HF_HUB_OFFLINE" in message
+    assert "\n" not in message
+
+
+def test_a_malformed_hub_id_names_the_id(monkeypatch):
+    # Online, as a user runs: huggingface_hub refuses the id before it makes any request.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with pytest.raises(ConfigError) as caught:
+        load_records("my-data/train--v2")
+    message = str(caught.value)
+    assert message.startswith("dataset: no local file or folder my-data/train--v2, and it is no valid hub dataset id")
+    assert "Cannot have -- or .. in repo_id" in message and message.endswith("check the path")
+
+
+def hub_dataset(monkeypatch, tmp_path, splits: dict[str, list]) -> None:
+    """Any hub id resolves to a dataset laid out as on the hub: one file per split, named after it."""
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    for split, records in splits.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))  # not the user's
+    real = hf_scale.data.loading.load_dataset
+    monkeypatch.setattr(hf_scale.data.loading, "load_dataset", lambda name, **kwargs: real(str(folder), **kwargs))
+
+
+def test_a_hub_dataset_without_a_train_split_names_the_splits_and_what_to_do(monkeypatch, tmp_path):
+    hub_dataset(monkeypatch, tmp_path, {"test": GOOD, "validation": GOOD})
+    with pytest.raises(ConfigError) as caught:
+        load_records("someone/only-test", key="eval_dataset")
+    assert str(caught.value) == (
+        "eval_dataset: hub dataset someone/only-test has no 'train' split (its splits: test, validation); hf_scale "
+        "trains on the train split: save the split you want as a file, e.g. load_dataset('someone/only-test', "
+        "split='test').to_json('data.jsonl'), and give that file"
+    )
+
+
+def test_a_hub_dataset_loads_its_train_split(monkeypatch, tmp_path):
+    hub_dataset(monkeypatch, tmp_path, {"train": GOOD, "test": GOOD[:1]})
+    assert load_records("someone/alpaca")[0] == GOOD
+
+
+def test_a_bug_while_loading_a_hub_dataset_is_not_a_config_error(monkeypatch):
+    def buggy(name, **kwargs):
+        raise AttributeError("a bug, not a missing dataset")
+
+    monkeypatch.setattr(hf_scale.data.loading, "load_dataset", buggy)
+    with pytest.raises(AttributeError, match="a bug, not a missing dataset"):
+        load_records("someone/alpaca")
+
+
+# What datasets and huggingface_hub raise online (no network here): the answers the hub gives, raised as they are.
+HUB_ANSWERS = [
+    (
+        DatasetNotFoundError("Dataset 'someone/alpaka' doesn't exist on the Hub or cannot be accessed."),
+        "dataset: no local file or folder someone/alpaka, nor a hub dataset of that id (Dataset 'someone/alpaka' "
+        "doesn't exist on the Hub or cannot be accessed.): check the path or the id (owner/name); a gated dataset "
+        "needs `hf auth login` and access granted on its page",
+    ),
+    (
+        HfHubHTTPError(
+            "429 Too Many Requests\nRequest ID: abc",
+            response=httpx.Response(429, request=httpx.Request("GET", "https://huggingface.co")),
+        ),
+        "dataset: the Hugging Face hub failed on dataset someone/alpaka: 429 Too Many Requests Request ID: abc",
+    ),
+]
+
+
+@pytest.mark.parametrize("error, message", HUB_ANSWERS, ids=[type(error).__name__ for error, _ in HUB_ANSWERS])
+def test_the_hub_refusing_a_dataset_is_one_line_naming_the_id(monkeypatch, error, message):
+    def answer(name, **kwargs):
+        raise error
+
+    monkeypatch.setattr(hf_scale.data.loading, "load_dataset", answer)
+    with pytest.raises(ConfigError) as caught:
+        load_records("someone/alpaka")
+    assert str(caught.value) == message

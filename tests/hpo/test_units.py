@@ -1,24 +1,40 @@
 """The search's parts on their own: space, applying values, objective and direction, pruners, storage, report."""
 
 import csv
+import gc
 import json
+import os
 import time
+import weakref
 from types import SimpleNamespace
 
 import optuna
 import pytest
 from optuna.trial import TrialState
+from transformers import AutoModelForCausalLM
 
+from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.cli import main as cli_main
 from hf_scale.errors import ConfigError
+from hf_scale.hpo import parallel
 from hf_scale.hpo.objective import BestValue, check_against_direction, metric_objective, resolve_direction
 from hf_scale.hpo.report import load_study, trials_table, write_report
-from hf_scale.hpo.search import make_pruner, split_kwargs
+from hf_scale.hpo.search import (
+    Search,
+    TrialNotRun,
+    best_of,
+    make_pruner,
+    runs_of,
+    same_error_every_time,
+    split_kwargs,
+    train_on_one_device,
+)
 from hf_scale.hpo.settings import SpaceArguments
 from hf_scale.hpo.space import accumulation_steps, default_hp_space, effective_batch_choices, split_hyperparameters
 from hf_scale.hpo.storage import JournalHeartbeat, open_storage
 from hf_scale.hpo.sync import setup_missed_message
 from hf_scale.safety import mask_secrets
+from hf_scale.trainer import ScaleTrainer
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -241,3 +257,140 @@ def test_report_of_a_study_whose_only_trial_is_still_running(tmp_path):
     table = trials_table(study)
     assert list(table["state"]) == ["RUNNING"] and table["duration_s"].isna().all()
     assert "running 1" in (write_report(study, tmp_path / "report") / "summary.txt").read_text()
+
+
+def test_journal_heartbeat_goes_on_after_a_failed_write(tmp_path, monkeypatch):
+    """One failed write (a shared filesystem's hiccup) must not end the heartbeats: another worker would fail and
+    queue again a trial that is still running."""
+    storage = open_storage(f"journal:{tmp_path / 'study.journal'}")
+    study = optuna.create_study(storage=storage)
+    heartbeat = JournalHeartbeat(study, storage, interval=1, grace_period=2, max_retry=1)
+    trial = study.ask()
+    write = storage.set_trial_system_attr
+    failures = iter([OSError("Stale file handle")])
+
+    def flaky_write(*args):
+        if (error := next(failures, None)) is not None:
+            raise error
+        write(*args)
+
+    monkeypatch.setattr(storage, "set_trial_system_attr", flaky_write)
+    with pytest.warns(UserWarning, match="trial 0: heartbeat not written \\(Stale file handle\\); trying again"):
+        heartbeat.start(trial.number)
+        time.sleep(1.5)  # the second beat, one interval after the failed first
+        heartbeat.stop()
+    assert time.time() - study.trials[0].system_attrs["hf_scale:heartbeat"] < 1.5
+    time.sleep(1.0)  # 2.5 s after the start: past the grace period counted from the start, not from the last beat
+    assert heartbeat.fail_stale() == []
+
+
+def fake_search(study, output_dir, n_trials=2):
+    """What Search.check_within_budget and Search.after_trial read of the search."""
+    return SimpleNamespace(
+        study=study, settings=SimpleNamespace(n_trials=n_trials), output_dir=output_dir, direction="minimize",
+        stop_reason=lambda: None,
+    )  # fmt: skip
+
+
+def test_a_trial_created_beyond_n_trials_is_not_run_and_not_counted(tmp_path):
+    """n_trials across workers: two that check the study at the same moment each create a trial; the one created
+    when the study already held n_trials is recorded not run (`--n_trials 1 --parallel_trials 2` ran 2 trials)."""
+    study = optuna.create_study(storage=open_storage(f"journal:{tmp_path / 'study.journal'}"))
+    search = fake_search(study, tmp_path, n_trials=1)
+    first, second = study.ask(), study.ask()  # both workers asked before either trial was recorded as run
+    Search.check_within_budget(search, first)
+    with pytest.raises(TrialNotRun, match="the study already held n_trials=1 trial\\(s\\) when it was created"):
+        Search.check_within_budget(search, second)
+    study.tell(second, state=TrialState.FAIL)
+    study.tell(first, state=TrialState.FAIL)  # the trial that ran fails: a new one may run in its place
+    Search.check_within_budget(search, study.ask())
+    assert [t.number for t in runs_of(study.trials)] == [0, 2]
+
+
+def test_the_best_trial_is_read_with_the_trial_list_so_its_checkpoint_is_kept(tmp_path, monkeypatch):
+    """A trial of another worker that finishes, as the new best, between the two reads of the study had its
+    checkpoint deleted when the best trial and the trial list were read apart."""
+    study = optuna.create_study(storage=open_storage(f"journal:{tmp_path / 'study.journal'}"))
+    done, running = study.ask(), study.ask()
+    study.tell(done, 1.0)
+    for number in (0, 1):
+        (tmp_path / f"trial-000{number}" / "checkpoint-4").mkdir(parents=True)
+    finished_here = study.trials[0]
+    read_trials = study.get_trials
+    other_worker_done = []
+
+    def trials_as_the_other_worker_finishes(*args, **kwargs):
+        if not other_worker_done:
+            other_worker_done.append(study.tell(running, 0.5))  # the other worker's trial ends, better
+        return read_trials(*args, **kwargs)
+
+    monkeypatch.setattr(study, "get_trials", trials_as_the_other_worker_finishes)
+    Search.after_trial(fake_search(study, tmp_path), study, finished_here)
+    assert (tmp_path / "trial-0001" / "checkpoint-4").is_dir()  # the best trial's
+    assert not (tmp_path / "trial-0000" / "checkpoint-4").exists()
+
+
+def test_best_of_picks_what_optuna_picks():
+    study = optuna.create_study(direction="maximize")
+    for value in (0.3, 0.7, 0.7, 0.1):
+        study.add_trial(optuna.trial.create_trial(value=value))
+    assert best_of(study.trials, "maximize").number == study.best_trial.number == 1
+    assert best_of(study.trials, "minimize").number == 3
+    assert best_of([], "minimize") is None
+
+
+def test_the_search_holds_no_model_of_its_own(tmp_path, tiny_model_dir):
+    """Trainer.__init__ builds a model with model_init; the search drops it from the callback handler too, or the
+    launcher of parallel trials keeps a full copy on the first GPU for the whole search."""
+    trainer = ScaleTrainer(
+        model_init=lambda: AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        args=ScaleTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
+    )
+    built = weakref.ref(trainer.model)
+    Search(trainer, None, None, 1, None, None, {})
+    gc.collect()
+    assert built() is None
+
+
+def test_the_launcher_retrains_the_best_trial_on_one_device():
+    """A launcher that sees 4 GPUs would retrain in nn.DataParallel with a 4 times larger batch."""
+    args = ScaleTrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    args._n_gpu = 4  # what a launcher on a node of 4 GPUs has
+    train_on_one_device(args)
+    assert args.n_gpu == 1
+
+
+def failed(error: str) -> optuna.trial.FrozenTrial:
+    return optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"error": error})
+
+
+def test_the_same_error_in_the_first_three_trials_ends_the_search():
+    """Every trial of `--parallel_trials 2 --zero_preset zero2` failed with one ModuleNotFoundError, and the search
+    said so only after the last: a broken setup ends it after 3 trials; a diverging training does not."""
+    missing = "rank 0: ModuleNotFoundError: No module named 'mpi4py'\nTraceback ..."
+    assert same_error_every_time([failed(missing)] * 3) == "ModuleNotFoundError: No module named 'mpi4py'"
+    assert same_error_every_time([failed(missing)] * 2) is None
+    assert same_error_every_time([failed(missing), failed("rank 1: OSError: disk full"), failed(missing)]) is None
+    complete = optuna.trial.create_trial(value=1.0)
+    assert same_error_every_time([complete, failed(missing), failed(missing), failed(missing)]) is None
+    diverged = "rank 0: TrainingDiverged: training diverged at step 4: the loss is nan"
+    assert same_error_every_time([failed(diverged)] * 3) is None
+
+
+def test_a_parallel_worker_gets_its_own_launch_environment_and_its_share_of_the_cores(monkeypatch):
+    """A one-process ZeRO launcher holds rank variables for itself (its port included): each worker inherited them and
+    both failed with EADDRINUSE on that port. On CPU each worker used every core."""
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    cpu_worker = parallel.worker_environment(None, parallel_trials=2)
+    assert cpu_worker["WORLD_SIZE"] == "1" and cpu_worker["RANK"] == "0"
+    assert cpu_worker["MASTER_PORT"] != "29999"
+    assert cpu_worker["OMP_NUM_THREADS"] == "4"
+    gpus_worker = parallel.worker_environment(["2", "3"], parallel_trials=2)  # under torchrun, which sets its own
+    assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & gpus_worker.keys()
+    assert gpus_worker["CUDA_VISIBLE_DEVICES"] == "2,3" and "OMP_NUM_THREADS" not in gpus_worker
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stays
+    assert parallel.worker_environment(None, parallel_trials=2)["OMP_NUM_THREADS"] == "3"

@@ -193,20 +193,5 @@ def test_qlora_with_packing_accumulation_checkpointing_and_early_stopping(traine
 
 
 # The README's launch lines (accelerate, torchrun, the DeepSpeed launcher, two nodes; ZeRO-1 and ZeRO-3 with
-# offload, saved whole) run on 2 CPU processes in tests/test_readme.py.
-
-
-@pytest.mark.parametrize("preset", ["zero2", "zero3"])
-def test_a_zero_preset_trains_on_one_process_that_no_launcher_started(tmp_path, tiny_model_dir, preset):
-    """`hf-scale train --zero_preset zero2` as one plain process (one GPU with ZeRO-Offload): the recipe gives it
-    what a launcher would (it died at the first evaluation without a process group, and zero3 looked for MPI)."""
-    output_dir = tmp_path / "run"
-    command = [python_bin("hf-scale"), "train", "--zero_preset", preset, "--max_steps", "6", "--exact_match_samples"]
-    result = run_command([*command, "4", "--output_dir", str(output_dir)], timeout=300)
-    assert_succeeded(result, result.stderr[-3000:])
-    metrics = json.loads((output_dir / "metrics.json").read_text())
-    assert metrics["world_size"] == 1 and metrics["eval_after_loss"] < metrics["eval_before_loss"]
-    assert (output_dir / "checkpoint-6" / "global_step6").is_dir()  # DeepSpeed's own checkpoint: the preset ran
-    trained = AutoModelForCausalLM.from_pretrained(output_dir).state_dict()  # a whole model, also from ZeRO-3
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    assert trained.keys() == base.keys() and any(not torch.equal(trained[key], base[key]) for key in base)
+# offload, saved whole) run on 2 CPU processes in tests/test_readme.py; every launch mode with the presets, LoRA,
+# QLoRA and the other options (ZeRO on one process without a launcher among them) in tests/recipes/test_launch_modes.py.
