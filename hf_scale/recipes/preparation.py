@@ -30,6 +30,7 @@ from hf_scale.data.templates import CHAT_TEMPLATE, PromptTemplate, get_template
 from hf_scale.data.tokenize import TokenizationSummary, check_examples_left, tokenize_records
 from hf_scale.distributed import set_single_process_launch_environment
 from hf_scale.errors import ConfigError, HfScaleError
+from hf_scale.gguf_source import ensure_converted, gguf_path, is_gguf_source
 from hf_scale.modeling import ModelArguments, check_model_path, load_tokenizer
 from hf_scale.paths import cache_dir
 from hf_scale.tiny import ensure_tiny_model, generate_conversation_tasks, generate_tasks
@@ -138,6 +139,9 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Sca
     if model_path is None:
         with args.main_process_first(desc="building the embedded tiny model"):
             model_path = str(ensure_tiny_model())
+    elif is_gguf_source(model_path, model_args.gguf_file):
+        with args.main_process_first(desc="converting the GGUF file"):
+            model_path = str(ensure_converted(gguf_path(model_path, model_args.gguf_file)))
     tokenizer = load_tokenizer(model_path, trust_remote_code=model_args.trust_remote_code)
     template = get_template(data_args.template, data_args.system_prompt, tokenizer)
     # The run's template goes with the tokenizer it saves, so that `hf-scale chat`, an export and any

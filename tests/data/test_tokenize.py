@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -7,7 +8,7 @@ from transformers import AutoTokenizer
 
 from hf_scale.data.loading import load_records
 from hf_scale.data.templates import ALPACA, TEMPLATES, get_template
-from hf_scale.data.tokenize import IGNORE_INDEX, prompt_ids, tokenize_records
+from hf_scale.data.tokenize import IGNORE_INDEX, prompt_ids, responses_cut_warning, tokenize_records
 from hf_scale.tiny import generate_tasks
 from tests.data.chat_tokenizers import chatml_tokenizer, llama2_tokenizer
 from tests.helpers import SHARED_DATA
@@ -218,3 +219,25 @@ def test_a_response_cut_at_max_length_loses_its_end_of_turn(tiny_model_dir):
     assert summary.response_cut == 1
     trained = [t for t in dataset[0]["labels"] if t != IGNORE_INDEX]
     assert tokenizer.decode(trained) == "123"  # did not end: no end of turn taught here
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
+def test_a_max_length_that_cuts_many_responses_is_a_warning_with_the_length_that_keeps_them(tokenizer):
+    """755 of 950 Chinese records of a real model's run had their response cut, said only as a count."""
+    records, _ = load_records(str(SHARED_DATA / "alpaca_zh_demo.json"))
+    template = get_template("alpaca_zh")
+    examples, whole = tokenize_records(records, tokenizer, template, max_length=100_000)
+    lengths = sorted(len(ids) for ids in examples["input_ids"])
+    assert whole.length_for_99_percent == lengths[math.ceil(0.99 * len(lengths)) - 1]
+    assert responses_cut_warning("train", whole, 100_000) == ""
+    _, cut = tokenize_records(records, tokenizer, template, max_length=256)
+    assert cut.response_cut > 0.05 * len(records)
+    assert cut.length_for_99_percent == whole.length_for_99_percent  # measured before the cut
+    warning = responses_cut_warning("train", cut, 256, "alpaca_zh_demo.json")
+    assert warning == (
+        f"{cut.response_cut} of 1000 train responses of alpaca_zh_demo.json ({cut.response_cut / 1000:.0%}) are cut at "
+        f"max_length=256: the model learns answers that do not end; max_length {whole.length_for_99_percent} keeps "
+        "99 % of them whole"
+    )
+    _, at_99 = tokenize_records(records, tokenizer, template, max_length=whole.length_for_99_percent)
+    assert at_99.response_cut <= 0.01 * len(records)

@@ -22,9 +22,12 @@ ACCELERATE_CONFIGS = sorted((REPO_ROOT / "recipes" / "accelerate").glob("*.yaml"
 def test_shipped_configs_are_valid(config):
     parser = HfArgumentParser((ModelArguments, DataArguments, ScaleTrainingArguments))
     values = check_config(parser, ["--config", str(config)])
-    assert values["template"] in TEMPLATES
+    assert values["template"] in (*TEMPLATES, "chat_template")  # chat_template: the model's own
     assert values["zero_preset"] is None or values["zero_preset"] in list_presets()
-    if not config.name.startswith("tiny_"):  # the embedded CPU defaults name no model or dataset
+    if config.name.startswith("smollm2_"):  # the real model on a CPU: the packaged GGUF, the shared set
+        assert values["model_name_or_path"] == "packaged:SmolLM2-135M-Instruct"
+        assert values["dataset"] == "../shared/data/alpaca_zh_demo.json" and values["template"] == "chat_template"
+    elif not config.name.startswith("tiny_"):  # the embedded CPU defaults name no model or dataset
         assert values["model_name_or_path"].startswith("meta-llama/Llama-2-")
         assert values["dataset"] == "silk-road/alpaca-data-gpt4-chinese"
         assert values["bf16"] is True and values["lr_scheduler_type"] == "cosine" and values["warmup_steps"] > 0

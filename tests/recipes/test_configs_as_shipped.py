@@ -22,6 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent"),
 ]
 DEFAULTS = ("tiny_cpu.yaml", "tiny_chat_cpu.yaml", "search_tiny_cpu.yaml")
+REAL_MODEL_ON_CPU = ("smollm2_135m_lora_cpu.yaml",)  # run as shipped by tests/test_gguf_source.py
 # config -> the shared set it trains on: both languages are covered
 DATA = {
     "llama2_7b_4xa100_zero1.yaml": "alpaca_en_demo.json",
@@ -37,7 +38,7 @@ DATA = {
 
 
 def test_every_shipped_config_is_launched_here():
-    assert {path.name for path in SHIPPED_CONFIGS.glob("*.yaml")} == {*DATA, *DEFAULTS}
+    assert {path.name for path in SHIPPED_CONFIGS.glob("*.yaml")} == {*DATA, *DEFAULTS, *REAL_MODEL_ON_CPU}
 
 
 @pytest.mark.parametrize("name", DATA)
