@@ -69,7 +69,7 @@ def test_the_packaged_model_converts_once_into_a_folder_that_answers(smollm2):
 @pytest.mark.parametrize("dataset", ["alpaca_en_demo.json", "alpaca_zh_demo.json"])
 def test_its_byte_level_bpe_and_chatml_template_label_the_shared_sets_exactly(smollm2, dataset):
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    records = shared_records(dataset)[:300]
+    records = shared_records(dataset)[:120]
     conversations = chain_conversations(records, turns=(1, 4), seed=0)  # one-turn records and conversations
     conversations = [[{**turn, "content": turn["content"].strip()} for turn in turns] for turns in conversations]
     template = chat_template_for("chat_template", tokenizer)
@@ -118,6 +118,8 @@ def test_the_recipe_fine_tunes_it_with_its_own_template_and_chat_answers_with_it
     assert adapter["base_model_name_or_path"] == str(smollm2)
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     assert tokenizer.chat_template == AutoTokenizer.from_pretrained(smollm2).chat_template  # the model's own, kept
-    chat = run_cli(capsys, "chat", str(output_dir), "--prompt", "What is the capital of France?")
+    chat = run_cli(
+        capsys, "chat", str(output_dir), "--prompt", "What is the capital of France?", "--max-new-tokens", "12"
+    )
     assert chat.returncode == 0, chat.stderr
     assert "Paris" in chat.stdout

@@ -39,7 +39,7 @@ RECIPE = "recipes/finetune_llama2.py"
 SEARCH_RECIPE = "recipes/search_llama2.py"
 SHORT = ["--max_steps", "6", "--eval_steps", "3", "--save_steps", "3", "--logging_steps", "1", "--eval_ratio", "0.1"]
 SHORT += ["--per_device_train_batch_size", "8", "--exact_match_samples", "0"]
-SEARCH = ["--n_trials", "2", "--max_steps", "4", "--eval_steps", "2", "--per_device_batches", "4"]
+SEARCH = ["--n_trials", "2", "--max_steps", "4", "--eval_steps", "4", "--per_device_batches", "4"]
 SEARCH += ["--effective_batch_min", "8", "--effective_batch_max", "16", "--report", "false"]
 FLAGS = {
     "zero2": ["--zero_preset", "zero2"],
@@ -62,10 +62,10 @@ ROWS = [
     ("torchrun", ("offload", "LoRA", "early stopping")),
     ("accelerate launch", ("zero3", "packing", "early stopping")),
     ("accelerate launch", ("none", "early stopping", "packing")),
-    ("deepspeed", ("zero2", "LoRA", "packing", "bf16")),
+    ("deepspeed", ("zero2", "LoRA", "packing", "bf16", "search")),
     ("deepspeed", ("zero3", "accumulation", "early stopping")),
     ("deepspeed", ("none", "QLoRA", "packing")),
-    ("deepspeed", ("offload", "search")),
+    ("deepspeed", ("offload", "bf16")),
     ("parallel_trials", ("zero2", "packing", "early stopping", "search")),
     ("parallel_trials", ("zero3", "bf16", "search")),
     ("parallel_trials", ("offload", "LoRA", "search")),
