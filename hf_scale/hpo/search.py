@@ -32,7 +32,8 @@ from hf_scale.hpo import sync
 from hf_scale.hpo.lora import fast_path_applies, unload
 from hf_scale.hpo.objective import metric_objective, objective_metric, resolve_direction
 from hf_scale.hpo.parallel import JOURNAL_FILE, run_workers, worker_id
-from hf_scale.hpo.settings import SEARCH_FIELDS, SearchArguments
+from hf_scale.hpo.policy import NOT_RUN, SAME_ERROR_TRIALS, best_of, runs_of, same_error_every_time
+from hf_scale.hpo.settings import make_pruner, split_kwargs
 from hf_scale.hpo.space import default_hp_space
 from hf_scale.hpo.storage import DEFAULT_STUDY_FILE, JournalHeartbeat, open_storage, quiet_experimental
 from hf_scale.hpo.sync import ABORTED, COMPLETE, FAILED, SKIP, STOPPED, Decision, TrialPlan
@@ -45,11 +46,6 @@ from hf_scale.hpo.trial import (
 )
 from hf_scale.safety import mask_secrets
 
-# Arguments of create_study and optimize that the search takes as HF's Optuna backend does, beside SearchArguments.
-STUDY_KWARGS = {"sampler", "load_if_exists"}
-OPTIMIZE_KWARGS = {"n_jobs", "gc_after_trial", "catch", "callbacks", "show_progress_bar"}
-PRUNERS = ("median", "asha", "hyperband", "none")
-
 
 class TrialFailed(RuntimeError):
     """A trial raised on at least one rank; the study records it FAIL and the search goes on."""
@@ -57,40 +53,6 @@ class TrialFailed(RuntimeError):
 
 class TrialNotRun(TrialFailed):
     """Asked for beyond n_trials (workers that asked at the same moment): recorded FAIL with `not_run`, not counted."""
-
-
-# This many failed trials in a row with one error, and none complete: a setup problem that no value of the search fixes.
-SAME_ERROR_TRIALS = 3
-# Set on a trial that was created but never run (TrialNotRun); such a trial counts neither as a trial nor a failure.
-NOT_RUN = "not_run"
-
-
-def runs_of(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    """The trials that ran or run (any state), without those created beyond n_trials and never run."""
-    return [t for t in trials if NOT_RUN not in t.user_attrs]
-
-
-def same_error_every_time(trials: list[optuna.trial.FrozenTrial]) -> str | None:
-    """The error of the first SAME_ERROR_TRIALS finished trials when each failed with it (its first line), else None.
-
-    A diverging training is left out: a learning rate too high is a value the search is there to rule out.
-    """
-    first = [t for t in trials if t.state.is_finished()][:SAME_ERROR_TRIALS]
-    if len(first) < SAME_ERROR_TRIALS or any(t.state != TrialState.FAIL for t in first):
-        return None
-    # "rank 0: ModuleNotFoundError: ..." without the rank: the same error may be first seen on any rank.
-    errors = {t.user_attrs.get("error", "").split("\n")[0].split(": ", 1)[-1] for t in first}
-    error = errors.pop() if len(errors) == 1 else ""
-    return error if error and not error.startswith("TrainingDiverged") else None
-
-
-def best_of(trials: list[optuna.trial.FrozenTrial], direction: str) -> optuna.trial.FrozenTrial | None:
-    """The best complete trial of `trials` (the study's rule: the first of equal values), or None."""
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    if not complete:
-        return None
-    sign = 1 if direction == "minimize" else -1
-    return min(complete, key=lambda t: (sign * t.value, t.number))
 
 
 @dataclass
@@ -105,56 +67,6 @@ def say(message: str) -> None:
     if sync.rank() == 0:
         worker = worker_id()
         print(f"hf_scale hpo{f' [worker {worker}]' if worker else ''}: {message}", flush=True)
-
-
-def make_pruner(
-    name: str = "median", startup_trials: int = 4, warmup_evaluations: int = 1
-) -> optuna.pruners.BasePruner:
-    """The pruner called `name`; a trial reports at each evaluation, numbered from 1, so that trials with different
-    batch sizes or epoch lengths are compared at the same point of their training.
-
-    median: a trial is stopped when its value at an evaluation is worse than the median of the earlier trials' values
-    at the same evaluation, once `startup_trials` trials have finished and after its first `warmup_evaluations`
-    evaluations. asha: asynchronous successive halving (Optuna's SuccessiveHalvingPruner): at evaluations 1, 3,
-    9, ... a trial goes on only when it is in the best third of the trials that reached that evaluation, decided
-    as each trial gets there, so parallel workers never wait for each other. hyperband: successive halving over
-    brackets, from 1 evaluation to as many as a full trial makes.
-    """
-    if name not in PRUNERS:
-        raise ConfigError(f"pruner: unknown pruner {name!r}; choose one of {', '.join(PRUNERS)}")
-    if startup_trials < 0 or warmup_evaluations < 0:
-        raise ConfigError("pruner: startup_trials and warmup_evaluations must be >= 0")
-    if name == "none":
-        return optuna.pruners.NopPruner()
-    if name == "asha":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
-    if name == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource="auto", reduction_factor=3)
-    # Optuna never prunes at a step below n_warmup_steps; steps here start at evaluation 1.
-    return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=warmup_evaluations + 1)
-
-
-def split_kwargs(kwargs: dict[str, Any]) -> tuple[SearchArguments, dict[str, Any], dict[str, Any]]:
-    """(hf_scale's settings, create_study arguments, optimize arguments); an unknown name is a ConfigError."""
-    settings, study, optimize = {}, {}, {}
-    for key, value in kwargs.items():
-        if key in ("storage", "pruner") and not isinstance(value, str | None):
-            study[key] = value  # an Optuna storage or pruner object, used as it is
-        elif key in SEARCH_FIELDS:
-            settings[key] = value
-        elif key in STUDY_KWARGS:
-            study[key] = value
-        elif key in OPTIMIZE_KWARGS:
-            optimize[key] = value
-        else:
-            known = sorted(SEARCH_FIELDS | STUDY_KWARGS | OPTIMIZE_KWARGS)
-            raise ConfigError(f"hyperparameter_search: unknown argument {key!r}; known: {', '.join(known)}")
-    if optimize.pop("n_jobs", 1) != 1:
-        raise ConfigError(
-            "n_jobs: a distributed search runs one trial at a time per worker (all processes train it); "
-            "use parallel_trials for several trials at once"
-        )
-    return SearchArguments(**settings), study, optimize
 
 
 class Search:

@@ -1,4 +1,5 @@
-"""`SearchArguments`: hf_scale's settings of a search, beside HF's `hyperparameter_search` arguments.
+"""`SearchArguments`: hf_scale's settings of a search, beside HF's `hyperparameter_search` arguments (split from them
+by `split_kwargs`), and the Optuna pruner they name (`make_pruner`).
 
 Each field can be given to `ScaleTrainer.hyperparameter_search(..., field=value)`, or as a YAML key or flag of
 the search recipe. `n_trials`, `timeout` and `direction` mean what they mean in HF and Optuna, except that
@@ -6,6 +7,9 @@ the search recipe. `n_trials`, `timeout` and `direction` mean what they mean in 
 """
 
 from dataclasses import dataclass, field, fields
+from typing import Any
+
+import optuna
 
 from hf_scale.errors import ConfigError
 from hf_scale.hpo.parallel import check_launched_alone
@@ -176,3 +180,59 @@ class SpaceArguments:
     @property
     def per_device_batch_sizes(self) -> tuple[int, ...]:
         return tuple(int(value) for value in self.per_device_batches.split(","))
+
+
+# Arguments of create_study and optimize that the search takes as HF's Optuna backend does, beside SearchArguments.
+STUDY_KWARGS = {"sampler", "load_if_exists"}
+OPTIMIZE_KWARGS = {"n_jobs", "gc_after_trial", "catch", "callbacks", "show_progress_bar"}
+PRUNERS = ("median", "asha", "hyperband", "none")
+
+
+def make_pruner(
+    name: str = "median", startup_trials: int = 4, warmup_evaluations: int = 1
+) -> optuna.pruners.BasePruner:
+    """The pruner called `name`; a trial reports at each evaluation, numbered from 1, so that trials with different
+    batch sizes or epoch lengths are compared at the same point of their training.
+
+    median: a trial is stopped when its value at an evaluation is worse than the median of the earlier trials' values
+    at the same evaluation, once `startup_trials` trials have finished and after its first `warmup_evaluations`
+    evaluations. asha: asynchronous successive halving (Optuna's SuccessiveHalvingPruner): at evaluations 1, 3,
+    9, ... a trial goes on only when it is in the best third of the trials that reached that evaluation, decided
+    as each trial gets there, so parallel workers never wait for each other. hyperband: successive halving over
+    brackets, from 1 evaluation to as many as a full trial makes.
+    """
+    if name not in PRUNERS:
+        raise ConfigError(f"pruner: unknown pruner {name!r}; choose one of {', '.join(PRUNERS)}")
+    if startup_trials < 0 or warmup_evaluations < 0:
+        raise ConfigError("pruner: startup_trials and warmup_evaluations must be >= 0")
+    if name == "none":
+        return optuna.pruners.NopPruner()
+    if name == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource="auto", reduction_factor=3)
+    # Optuna never prunes at a step below n_warmup_steps; steps here start at evaluation 1.
+    return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=warmup_evaluations + 1)
+
+
+def split_kwargs(kwargs: dict[str, Any]) -> tuple[SearchArguments, dict[str, Any], dict[str, Any]]:
+    """(hf_scale's settings, create_study arguments, optimize arguments); an unknown name is a ConfigError."""
+    settings, study, optimize = {}, {}, {}
+    for key, value in kwargs.items():
+        if key in ("storage", "pruner") and not isinstance(value, str | None):
+            study[key] = value  # an Optuna storage or pruner object, used as it is
+        elif key in SEARCH_FIELDS:
+            settings[key] = value
+        elif key in STUDY_KWARGS:
+            study[key] = value
+        elif key in OPTIMIZE_KWARGS:
+            optimize[key] = value
+        else:
+            known = sorted(SEARCH_FIELDS | STUDY_KWARGS | OPTIMIZE_KWARGS)
+            raise ConfigError(f"hyperparameter_search: unknown argument {key!r}; known: {', '.join(known)}")
+    if optimize.pop("n_jobs", 1) != 1:
+        raise ConfigError(
+            "n_jobs: a distributed search runs one trial at a time per worker (all processes train it); "
+            "use parallel_trials for several trials at once"
+        )
+    return SearchArguments(**settings), study, optimize

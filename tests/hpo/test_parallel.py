@@ -15,7 +15,7 @@ import pytest
 
 from hf_scale.errors import ConfigError
 from hf_scale.hpo import SearchArguments, parallel
-from hf_scale.hpo.search import runs_of
+from hf_scale.hpo.policy import runs_of
 from tests.helpers import SHARED_DATA, assert_succeeded, python_bin, run_command, start
 from tests.hpo.conftest import WORKER
 

@@ -18,18 +18,10 @@ from hf_scale.cli import main as cli_main
 from hf_scale.errors import ConfigError
 from hf_scale.hpo import parallel
 from hf_scale.hpo.objective import BestValue, check_against_direction, metric_objective, resolve_direction
+from hf_scale.hpo.policy import best_of, runs_of, same_error_every_time
 from hf_scale.hpo.report import load_study, trials_table, write_report
-from hf_scale.hpo.search import (
-    Search,
-    TrialNotRun,
-    best_of,
-    make_pruner,
-    runs_of,
-    same_error_every_time,
-    split_kwargs,
-    train_on_one_device,
-)
-from hf_scale.hpo.settings import SpaceArguments
+from hf_scale.hpo.search import Search, TrialNotRun, train_on_one_device
+from hf_scale.hpo.settings import SpaceArguments, make_pruner, split_kwargs
 from hf_scale.hpo.space import accumulation_steps, default_hp_space, effective_batch_choices, split_hyperparameters
 from hf_scale.hpo.storage import JournalHeartbeat, open_storage
 from hf_scale.hpo.sync import setup_missed_message

@@ -21,8 +21,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from hf_scale.export import export_run
+from hf_scale.hpo.policy import NOT_RUN
 from hf_scale.hpo.report import load_study
-from hf_scale.hpo.search import NOT_RUN
 from tests.helpers import REPO_ROOT, SHARED_DATA, assert_succeeded, free_port, python_bin, run_command, torchrun
 
 MODES = ("one process", "torchrun", "accelerate launch", "deepspeed", "parallel_trials")
