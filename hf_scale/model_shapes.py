@@ -1,7 +1,8 @@
-"""The shape of a model for the planner, from a hub id, a local folder or a config, without any weights.
+"""The shape of a model for the planner, from a hub id, a local folder, a GGUF file or a config, without any weights.
 
 LLaMA-2 7B, 13B and 70B are known offline (their published configs); anything else is read with
-`AutoConfig` and built on the meta device, where parameters take no memory, to count them exactly.
+`AutoConfig` (from a GGUF file's metadata, without dequantizing it) and built on the meta device, where parameters
+take no memory, to count them exactly.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
 from hf_scale.errors import ConfigError
+from hf_scale.gguf_source import check_gguf_installed, gguf_path, is_gguf_source
 from hf_scale.memory import ModelShape
 
 
@@ -55,11 +57,19 @@ def shape_from_config(name: str, config: PretrainedConfig) -> ModelShape:
 
 
 def model_shape(model: str | PretrainedConfig) -> ModelShape:
-    """The shape of a known LLaMA-2, a local model folder, a hub id (reads its config.json), or a config."""
+    """The shape of a known LLaMA-2, a local model folder, a hub id (reads its config.json), a GGUF file
+    (`model.gguf`, `packaged:SmolLM2-135M-Instruct`), or a config."""
     if isinstance(model, PretrainedConfig):
         return shape_from_config(getattr(model, "name_or_path", "") or model.model_type, model)
     if model in KNOWN_CONFIGS:
         return shape_from_config(model, KNOWN_CONFIGS[model])
+    if is_gguf_source(model):
+        path = gguf_path(model)
+        check_gguf_installed()
+        try:
+            return shape_from_config(model, AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+        except (ValueError, KeyError) as error:
+            raise ConfigError(f"model: transformers cannot read {path} as a causal LM: {error}") from None
     try:
         config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as error:

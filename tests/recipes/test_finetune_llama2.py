@@ -195,3 +195,23 @@ def test_qlora_with_packing_accumulation_checkpointing_and_early_stopping(traine
 # The README's launch lines (accelerate, torchrun, the DeepSpeed launcher, two nodes; ZeRO-1 and ZeRO-3 with
 # offload, saved whole) run on 2 CPU processes in tests/test_readme.py; every launch mode with the presets, LoRA,
 # QLoRA and the other options (ZeRO on one process without a launcher among them) in tests/recipes/test_launch_modes.py.
+
+
+def test_lora_adapters_start_from_the_seed_whatever_the_process_drew_before(tmp_path, hf_scale_cache):
+    """LoRA's A matrices are drawn when the model is built, before the Trainer seeds: two runs with one seed, in
+    processes whose torch generator stood elsewhere (a fresh interpreter, a forked one), trained different adapters,
+    and a killed run resumed by a new process could not reach the run that was never killed (the real-model test)."""
+    from safetensors.torch import load_file
+
+    from hf_scale.recipes.finetune_llama2 import main
+
+    flags = ["--lora_r", "8", "--max_steps", "1", "--eval_strategy", "no", "--save_strategy", "no"]
+    flags += ["--exact_match_samples", "0"]
+    adapters = []
+    for state in (1, 2):
+        torch.manual_seed(state)
+        main([*flags, "--output_dir", str(tmp_path / str(state))])
+        adapters.append(load_file(tmp_path / str(state) / "adapter_model.safetensors"))
+    assert adapters[0].keys() == adapters[1].keys()
+    for name, tensor in adapters[0].items():
+        assert torch.equal(tensor, adapters[1][name]), name
