@@ -71,3 +71,21 @@ def test_qlora_learning_prints_both_means(trained_tiny_run, tmp_path):
     before = f"before, mean over seeds: LoRA {runs['lora'][0]['before']:.3f}, QLoRA {runs['qlora'][0]['before']:.3f}"
     assert before in result.stdout  # the base's own score (the quick setting's base already knows the task)
     assert re.search(r"QLoRA - LoRA \(means\): [+-][0-9.]+; within 0.1 either way: (yes|no); QLoRA not", result.stdout)
+
+
+def test_real_model_prints_both_ratios_and_records_every_step(smollm2, tmp_path):
+    """SmolLM2 in the quickest setting: one round of 2 steps per trainer, 2 records answered both ways."""
+    quick = ["--methods", "LoRA", "--steps", "2", "--rounds", "1", "--records", "8", "--generate", "2"]
+    quick += ["--generation_batch", "2", "--max_new_tokens", "2", "--output", str(tmp_path / "real.json")]
+    result = run_command([sys.executable, "bench/real_model.py", *quick], timeout=600)
+    assert_succeeded(result, result.stderr[-3000:])
+    report = json.loads((tmp_path / "real.json").read_text())
+    runs = report["LoRA"]
+    for side in ("Trainer", "ScaleTrainer"):
+        (run,) = runs[side]
+        assert len(run["steps"]) == 2 and all(s["tokens"] > 0 and s["memory_bytes"] > 2**28 for s in run["steps"])
+    ratio = runs["ScaleTrainer"][0]["tokens_per_second"] / runs["Trainer"][0]["tokens_per_second"]
+    assert re.search(rf"^LoRA +[0-9.]+ +[0-9.]+ +{ratio:.3f} +[0-9.]+$", result.stdout, re.MULTILINE), result.stdout
+    generation = report["generation"]
+    assert f"batched / one at a time: {generation['ratio']:.2f}x" in result.stdout
+    assert 0 <= generation["same"] <= 2
