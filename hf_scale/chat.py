@@ -30,6 +30,7 @@ from transformers import (
 from hf_scale.data.templates import through_end_of_turn
 from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.export import adapter_base, trained_quantization
+from hf_scale.gguf_source import model_folder
 from hf_scale.memory import quantized_base_bytes
 from hf_scale.model_shapes import model_shape
 from hf_scale.modeling import COMPUTE_DTYPES, ModelArguments, quantization_config
@@ -318,7 +319,7 @@ def repl(chat: Chat, conversation: Conversation) -> None:
 
 def chat_with_run(options: argparse.Namespace) -> None:
     """`hf-scale chat`: load the run in `options.run_dir` and answer `--prompt`, standard input, or a terminal."""
-    run_dir = Path(options.run_dir)
+    run_dir = model_folder(options.run_dir)
     device = chat_device(options.device)
     kind = run_kind(run_dir)
     tokenizer = load_tokenizer(run_dir)

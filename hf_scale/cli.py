@@ -28,7 +28,8 @@ PLAN_EXAMPLES = """examples:
   hf-scale plan --model meta-llama/Llama-2-70b-hf --gpu a100-80g --gpus 8 --nodes 2 --seq-len 2048 --grad-ckpt
   hf-scale plan --model meta-llama/Llama-2-13b-hf --gpu rtx4090-24g --gpus 4 --micro-batch 1 --lora-r 16 --json
   hf-scale plan --model meta-llama/Llama-2-70b-hf --gpu rtx4090-24g --lora-r 16 --quantization nf4 --grad-ckpt
-  (--model also takes a hub id or a local folder with a config.json)
+  hf-scale plan --model packaged:SmolLM2-135M-Instruct --gpu rtx4090-24g --seq-len 256 --micro-batch 4
+  (--model also takes a hub id, a local folder with a config.json, or a .gguf file)
 """
 
 PRESETS_EXAMPLES = """examples:
@@ -308,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat_parser = commands.add_parser(
         "chat", help="talk to a trained run (its model, adapter and chat template)", epilog=CHAT_EXAMPLES
     )
-    chat_parser.add_argument("run_dir", help="a run's output_dir (or a checkpoint or export folder)")
+    chat_parser.add_argument(
+        "run_dir", help="a run's output_dir (or a checkpoint or export folder, a .gguf file, packaged:NAME)"
+    )
     chat_parser.add_argument("--prompt", help="answer this one message and exit")
     chat_parser.add_argument("--system", help="system prompt (when the chat template takes one)")
     chat_parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -324,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     export_parser = commands.add_parser(
         "export", help="a plain HF model folder from a run, loadable without hf_scale", epilog=EXPORT_EXAMPLES
     )
-    export_parser.add_argument("run_dir", help="a run's output_dir (or one of its checkpoints)")
+    export_parser.add_argument(
+        "run_dir", help="a run's output_dir (or one of its checkpoints, a .gguf file, packaged:NAME)"
+    )
     export_parser.add_argument("out", help="the new folder (must not exist)")
     export_parser.add_argument(
         "--merge-lora", action="store_true", help="merge a LoRA adapter into its base (else the adapter is copied)"

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from hf_scale.data.loading import looks_like_local_path
 from hf_scale.errors import ConfigError
+from hf_scale.gguf_source import model_folder
 from hf_scale.modeling import (
     PICKLE_FILES,
     QUANTIZATIONS,
@@ -392,7 +393,7 @@ def export_run(
     `quantization` ("none", "nf4", "fp4", "int8"): how the base of the adapter to merge was loaded in training, for
     a folder without its run's run_config.json (`merge_quantization`).
     """
-    run_dir, out = Path(run_dir), Path(out)
+    run_dir, out = model_folder(str(run_dir)), Path(out)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantization not in (None, *MERGE_QUANTIZATIONS):

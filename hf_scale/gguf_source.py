@@ -73,6 +73,11 @@ def check_gguf_installed() -> None:
         raise ConfigError(f"model_name_or_path: reading a GGUF file needs the gguf package: {INSTALL_GGUF}")
 
 
+def model_folder(name: str) -> Path:
+    """`name` as a folder to load: a GGUF source (a `.gguf` file, `packaged:NAME`) is its converted folder."""
+    return ensure_converted(gguf_path(name)) if is_gguf_source(name) else Path(name)
+
+
 def converted_folder(path: Path) -> Path:
     """Where the conversion of the GGUF file `path` is cached."""
     stat = path.resolve().stat()

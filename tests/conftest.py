@@ -3,8 +3,10 @@ in folders that launched processes reuse; and the CI rule that nothing skips."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,6 +122,24 @@ def no_deepspeed_config_left_behind():
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
+
+
+# DeepSpeed's CPU all-reduce keeps a 66 MB buffer per rank in /dev/shm (memory, on a tmpfs) that a killed rank never
+# unlinks: the suite's deliberate kills left about 1.2 GB a run, and runs after runs filled this machine's memory until
+# the real-model tests were OOM-killed. The buffers this session created are removed when it ends.
+DEEPSPEED_SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+SESSION_STARTED = time.time()
+
+
+def pytest_sessionfinish(session):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller's, after every worker has finished
+    for path in glob.glob(DEEPSPEED_SHM_BUFFERS):
+        try:
+            if os.stat(path).st_mtime >= SESSION_STARTED:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 @pytest.hookimpl(tryfirst=True)

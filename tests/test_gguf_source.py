@@ -5,6 +5,7 @@ label the shared sets exactly. What users do with it (train, chat, export, resum
 import json
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.data.conversations import chain_conversations
@@ -13,6 +14,7 @@ from hf_scale.errors import ConfigError
 from hf_scale.gguf_source import converted_folder, ensure_converted, packaged_gguf
 from hf_scale.modeling import ModelArguments
 from tests.data.test_multiturn import check_exact, shared_records
+from tests.helpers import run_cli
 from tests.test_real_model import greedy
 
 SMOLLM2 = "packaged:SmolLM2-135M-Instruct"
@@ -71,3 +73,19 @@ def test_a_gguf_source_that_cannot_load_is_one_line_before_any_work(tmp_path, mo
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "gguf" else find_spec(name))
     with pytest.raises(ConfigError, match=r"needs the gguf package: pip install 'hf-scale\[gguf\]'"):
         ModelArguments(model_name_or_path=str(tmp_path / "model.gguf"))
+
+
+@pytest.mark.slow
+def test_chat_and_export_take_the_gguf_source_itself(smollm2, tmp_path, capsys):
+    """`hf-scale chat packaged:...` talks to the converted model through its own template; `hf-scale export` of the
+    source writes a plain folder (refused before as "no such folder")."""
+    question = ["--prompt", "What is the capital of France?", "--max-new-tokens", "12"]
+    chat = run_cli(capsys, "chat", SMOLLM2, *question)
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    assert chat.stdout.startswith("The capital of France is Paris"), chat.stdout
+    out = tmp_path / "exported"
+    exported = run_cli(capsys, "export", SMOLLM2, str(out), "--dtype", "bfloat16")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and model.num_parameters() == 134_515_008
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(smollm2).chat_template

@@ -24,7 +24,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from hf_scale.data.templates import ALPACA, ALPACA_ZH, PromptTemplate, through_end_of_turn
-from hf_scale.data.tokenize import IGNORE_INDEX, Truncation
+from hf_scale.data.tokenize import IGNORE_INDEX, Truncation, percentile_99
 from hf_scale.errors import ConfigError, DataError
 
 Turn = dict[str, str]
@@ -91,6 +91,7 @@ class ConversationSummary:
     answer_cut: int = 0  # kept, the end of the last answer cut at max_length (truncation="keep_prompt")
     dropped_too_long: int = 0  # even the last pair does not fit (truncation="drop", or no answer token left)
     boundary_merges: int = 0  # a token spans the start of an assistant turn; it is trained on
+    length_for_99_percent: int = 0  # tokens that 99 % of the conversations fit in whole, measured before any cut
     tokens: int = 0
     label_tokens: int = 0
     dropped_indices: list[int] = field(default_factory=list)
@@ -181,10 +182,13 @@ def tokenize_conversations(
         raise ConfigError(f"assistant_turns must be 'all' or 'last', got {assistant_turns!r}")
     summary = ConversationSummary(conversations=len(conversations))
     examples: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": [], "labels": []}
+    whole_lengths = []
     for index, turns in enumerate(conversations):
         system, dialog = (turns[:1], turns[1:]) if turns[0]["role"] == "system" else ([], turns)
         for first_pair in range(0, len(dialog), 2):  # drop the oldest pairs until the rest fits
             ids, labels, merges = _label(tokenizer, template, system + dialog[first_pair:], assistant_turns)
+            if first_pair == 0:
+                whole_lengths.append(len(ids))
             if len(ids) <= max_length:
                 break
         if first_pair:
@@ -210,6 +214,7 @@ def tokenize_conversations(
     summary.examples = len(examples["input_ids"])
     summary.tokens = sum(map(len, examples["input_ids"]))
     summary.label_tokens = sum(len(labels) - labels.count(IGNORE_INDEX) for labels in examples["labels"])
+    summary.length_for_99_percent = percentile_99(whole_lengths)
     return Dataset.from_dict(examples), summary
 
 

@@ -191,20 +191,24 @@ CUT_WARNING_SHARE = 0.05
 
 
 def responses_cut_warning(name: str, summary: Any, max_length: int, source: str | None = None) -> str:
-    """A one-line warning when more than 5 % of set `name`'s responses were cut at max_length, else "".
-
-    One-turn records only (a `TokenizationSummary`); a conversations' summary gets "" (not measured there yet).
-    """
-    if not isinstance(summary, TokenizationSummary) or summary.records == 0:
-        return ""
-    if summary.response_cut <= CUT_WARNING_SHARE * summary.records:
+    """A one-line warning when max_length cuts more than 5 % of set `name`, else "": of one-turn records (a
+    `TokenizationSummary`) the responses cut; of conversations (a `ConversationSummary`) those whose last answer was
+    cut or whose oldest turns were removed to fit. It names the length that keeps 99 % whole."""
+    if isinstance(summary, TokenizationSummary):
+        cut, total, what = summary.response_cut, summary.records, "responses"
+        effect = "the model learns answers that do not end"
+    else:
+        cut, total, what = summary.answer_cut + summary.shortened, summary.conversations, "conversations"
+        effect = (
+            f"{summary.answer_cut} with the last answer cut (the model learns answers that do not end), "
+            f"{summary.shortened} without their oldest turns"
+        )
+    if total == 0 or cut <= CUT_WARNING_SHARE * total:
         return ""
     where = f" of {source}" if source else ""
-    share = summary.response_cut / summary.records
     return (
-        f"{summary.response_cut} of {summary.records} {name} responses{where} ({share:.0%}) are cut at "
-        f"max_length={max_length}: the model learns answers that do not end; max_length "
-        f"{summary.length_for_99_percent} keeps 99 % of them whole"
+        f"{cut} of {total} {name} {what}{where} ({cut / total:.0%}) are cut at max_length={max_length}: {effect}; "
+        f"max_length {summary.length_for_99_percent} keeps 99 % of them whole"
     )
 
 

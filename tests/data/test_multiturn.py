@@ -1,5 +1,7 @@
 """Multi-turn labels are exactly the assistant's turns, for LLaMA-2 chat and ChatML, on two kinds of tokenizer."""
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,7 +11,7 @@ from hf_scale.data.conversations import chain_conversations
 from hf_scale.data.loading import load_records
 from hf_scale.data.multiturn import chat_template_for, render, tokenize_conversations
 from hf_scale.data.templates import get_template
-from hf_scale.data.tokenize import IGNORE_INDEX, tokenize_records
+from hf_scale.data.tokenize import IGNORE_INDEX, responses_cut_warning, tokenize_records
 from hf_scale.errors import ConfigError, DataError
 from hf_scale.tiny.build import build_sentencepiece_tokenizer
 from tests.data.chat_tokenizers import chatml_tokenizer
@@ -171,3 +173,25 @@ def test_alpaca_conversations_of_one_turn_are_the_one_turn_examples(byte_level, 
     two_turns = short[0] + short[1]  # a second turn follows the first answer's EOS
     (example,), _ = tokenize_conversations([two_turns], byte_level, chat_template, 1024)
     check_exact(byte_level, chat_template, two_turns, example, "</s>")
+
+
+def test_a_max_length_that_cuts_many_conversations_is_a_warning_with_the_length_that_keeps_them(byte_level):
+    """As for one-turn records: more than 5 % of conversations that lose their last answer's end or their oldest turns
+    to max_length is a warning naming the length that keeps 99 % of them whole (it was a count in the summary only)."""
+    conversations = chain_conversations(shared_records("alpaca_en_demo.json")[:200], turns=(2, 3), seed=0)
+    template = chat_template_for("llama2_chat", byte_level)
+    examples, whole = tokenize_conversations(conversations, byte_level, template, max_length=100_000)
+    lengths = sorted(len(ids) for ids in examples["input_ids"])
+    assert whole.length_for_99_percent == lengths[math.ceil(0.99 * len(lengths)) - 1]
+    assert responses_cut_warning("train", whole, 100_000) == ""
+    _, cut = tokenize_conversations(conversations, byte_level, template, max_length=200)
+    assert cut.answer_cut + cut.shortened > 0.05 * len(conversations) and cut.answer_cut and cut.shortened
+    assert cut.length_for_99_percent == whole.length_for_99_percent  # measured before the cut
+    count = cut.answer_cut + cut.shortened
+    assert responses_cut_warning("train", cut, 200, "chats.jsonl") == (
+        f"{count} of {len(conversations)} train conversations of chats.jsonl ({count / len(conversations):.0%}) are "
+        f"cut at max_length=200: {cut.answer_cut} with the last answer cut (the model learns answers that do not end), "
+        f"{cut.shortened} without their oldest turns; max_length {whole.length_for_99_percent} keeps 99 % of them whole"
+    )
+    _, at_99 = tokenize_conversations(conversations, byte_level, template, max_length=whole.length_for_99_percent)
+    assert at_99.answer_cut + at_99.shortened <= 0.01 * len(conversations)
