@@ -207,6 +207,10 @@ def serve(path: str, executable: str) -> None:
     os.environ["PYTHONPATH_OF_SERVER"] = os.environ.get("PYTHONPATH", "")
     for module in PRELOAD:
         __import__(module)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the imported objects are never traversed by a child's collector: fewer copy-on-write pages
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # the path appears once the server accepts: clients wait for it
