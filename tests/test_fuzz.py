@@ -99,7 +99,7 @@ def test_a_file_that_hung_datasets_loads_at_once(tmp_path):
     path = tmp_path / "data.json"
     path.write_text(HUNG_DATASETS)
     records, check = load_records(str(path), on_bad_record="skip")
-    assert records == [{"instruction": "T", "input": "", "output": "o"}]
+    assert records.to_list() == [{"instruction": "T", "input": "", "output": "o"}]
     assert check.skipped == [(0, "missing field 'instruction'")]
 
 

@@ -16,7 +16,7 @@ PUBLIC_API = [
     "hf_scale.data.tokenize:tokenize_records",
     "hf_scale.data.batching:make_collator",
     "hf_scale.packed_attention:use_packed_sdpa",
-    "hf_scale.data.cache:cached_tokenize_records",
+    "hf_scale.data.cache:cached_folder",
     "hf_scale.memory:plan",
     "hf_scale.presets:zero_preset",
     "hf_scale.evaluation:GenerationEval",

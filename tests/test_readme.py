@@ -77,6 +77,8 @@ RUN_BY = {
     "accelerate launch --config_file 1node_4gpu.yaml -m hf_scale.cli train --config llama2_7b_4xa100_zero1": "tests/"
     "test_package.py::test_accelerate_launch_of_the_installed_cli_trains_on_two_processes",
     "python bench/data_pipeline.py": "tests/bench/test_benches.py::test_data_pipeline_prints_both_sets",
+    "python bench/data_at_scale.py": "tests/bench/test_benches.py::"
+    "test_data_at_scale_prints_every_size_and_the_relaunch",
     "python bench/hpo.py": "tests/bench/test_benches.py::test_hpo_prints_both_backends_and_the_speed_ups",
     "python bench/hpo.py --only budget --budget 300 --budget_seeds 1,2,3,4,5": "tests/bench/test_benches.py::"
     "test_hpo_budget_part_prints_the_three_ways_and_the_ratio",

@@ -108,15 +108,17 @@ class DataArguments:
     preprocessing_num_workers: int | None = field(
         default=None,
         metadata={
-            "help": "Processes that tokenize (datasets.map num_proc). One process already uses every core in the "
-            "fast tokenizer's batch call; more helps on large sets with many cores. The result is the same."
+            "help": "Processes that tokenize (datasets.map num_proc). Empty: one a core for a set of 20,000 records "
+            "or more, else one (the fast tokenizer's batch call uses every core already). The result is the same."
         },
     )
     cache_tokenized: bool = field(
         default=True,
         metadata={
-            "help": "Keep the tokenized sets in $HF_SCALE_CACHE/tokenized, keyed by data, tokenizer, template and "
-            "settings, and reuse them on the next run."
+            "help": "Keep each source's examples in $HF_SCALE_CACHE/tokenized (Arrow files, keyed by the data files' "
+            "paths, sizes and times, the tokenizer, the template and every data setting): the first process of a "
+            "node makes them, the others and every relaunch memory-map them. Off: each process tokenizes for "
+            "itself into a folder removed at exit."
         },
     )
     exact_match_samples: int = field(

@@ -9,15 +9,18 @@ an optional system turn first, then user and assistant turns alternating, the la
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from datasets import Dataset
+from datasets import Dataset, Features, List, Value
 
 from hf_scale.data.loading import OnBadRecord, RecordCheck, check_each_record, read_records
 from hf_scale.errors import ConfigError, DataError
 
 Conversation = list[dict[str, str]]
+# A loaded set: a row a conversation, its turns in the normal form.
+CONVERSATION_FEATURES = Features({"turns": List({"role": Value("string"), "content": Value("string")})})
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,11 @@ def load_conversations(
     key: str = "dataset",
     fields: ConversationFields = SHAREGPT,
     on_bad_record: OnBadRecord = "error",
-) -> tuple[list[Conversation], RecordCheck]:
+) -> tuple[Dataset, RecordCheck]:
     """Conversations from a .json/.jsonl/.parquet file or folder, a hub dataset id or a `Dataset`, checked.
 
-    Returns the valid conversations in the normal form, and the check's outcome. `key` is the config key that
+    Returns the valid conversations in the normal form (a `Dataset` whose `turns` column holds them), and the
+    check's outcome. `key` is the config key that
     named the data, for error messages.
 
     Example:
@@ -67,20 +71,20 @@ def load_conversations(
 
 
 def check_conversations(
-    records: list, source: str, fields: ConversationFields, on_bad_record: OnBadRecord = "error"
-) -> tuple[list[Conversation], RecordCheck]:
+    records: Iterable, source: str, fields: ConversationFields, on_bad_record: OnBadRecord = "error"
+) -> tuple[Dataset, RecordCheck]:
     """Check every record; stop at the first bad one (`"error"`) or skip and count them (`"skip"`).
 
     Content is kept as written (a chat template decides about whitespace); roles are renamed to the normal form.
     """
 
-    def normal(record: dict) -> Conversation:
-        return [
-            {"role": fields.roles[turn[fields.role_key]], "content": turn[fields.content_key]}
-            for turn in record[fields.column]
-        ]
+    def normal(record: dict) -> dict[str, Conversation]:
+        turns = record[fields.column]
+        return {"turns": [{"role": fields.roles[t[fields.role_key]], "content": t[fields.content_key]} for t in turns]}
 
-    return check_each_record(records, source, on_bad_record, lambda record: _problem(record, fields), normal)
+    return check_each_record(
+        records, source, on_bad_record, lambda record: _problem(record, fields), normal, CONVERSATION_FEATURES
+    )
 
 
 def _problem(record: object, fields: ConversationFields) -> str | None:
@@ -132,7 +136,7 @@ def _problem(record: object, fields: ConversationFields) -> str | None:
 
 
 def chain_conversations(
-    records: list[dict[str, str]], turns: tuple[int, int] = (2, 4), seed: int = 0
+    records: Dataset | list[dict[str, str]], turns: tuple[int, int] = (2, 4), seed: int = 0
 ) -> list[Conversation]:
     """Group Alpaca records (instruction/input/output, as `load_records` returns them) into conversations of
     `turns[0]` to `turns[1]` user/assistant pairs, one pair a record.
@@ -141,6 +145,8 @@ def chain_conversations(
     back); `seed` draws the conversation lengths. The user turn is the instruction, followed by the input after a
     blank line when there is one; the assistant turn is the output.
     """
+    if isinstance(records, Dataset):
+        records = records.to_list()
     low, high = turns
     if not 1 <= low <= high:
         raise ConfigError(f"turns must be (low, high) with 1 <= low <= high, got {turns}")

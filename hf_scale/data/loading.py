@@ -6,19 +6,21 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from datasets import Dataset, load_dataset
+import pyarrow as pa
+from datasets import Dataset, Features, Value, load_dataset
+from datasets.table import InMemoryTable
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
 from hf_scale.errors import ConfigError, DataError
 
 FILE_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 OnBadRecord = Literal["error", "skip"]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,12 @@ def load_records(
     key: str = "dataset",
     fields: FieldNames = FieldNames(),
     on_bad_record: OnBadRecord = "error",
-) -> tuple[list[dict[str, str]], RecordCheck]:
+) -> tuple[Dataset, RecordCheck]:
     """Records from a .json/.jsonl/.csv/.parquet file or folder, a hub dataset id or a `Dataset`, checked.
 
-    Returns the valid records with the fields renamed to instruction/input/output, and the check's outcome.
+    Returns the valid records as a `Dataset` of instruction/input/output columns (the fields renamed; no input is
+    ""), and the check's outcome. Records are read one at a time where the format allows (JSON Lines, and what
+    `datasets` reads) and kept as Arrow, so memory holds the text of the records once, not a Python object each.
     `key` is the config key that named the data, for error messages.
 
     Example:
@@ -88,11 +92,12 @@ def load_records(
     return check_records(records, source=source, fields=fields, on_bad_record=on_bad_record)
 
 
-def read_records(data: str | Dataset, key: str = "dataset") -> tuple[list, str]:
-    """The raw, unchecked records of a .json/.jsonl/.csv/.parquet file or folder, a hub dataset id or a `Dataset`,
-    and the name of their source for messages. `key` is the config key that named the data, for error messages."""
+def read_records(data: str | Dataset, key: str = "dataset") -> tuple[Iterable, str]:
+    """The raw, unchecked records of a .json/.jsonl/.csv/.parquet file or folder, a hub dataset id or a `Dataset`
+    (read as they are iterated, where the format allows), and the name of their source for messages. `key` is the
+    config key that named the data, for error messages."""
     if isinstance(data, Dataset):
-        return data.to_list(), "the given Dataset"
+        return _rows(data), "the given Dataset"
     if not (path := Path(data).expanduser()).exists() and not looks_like_local_path(data):
         return _hub_records(data, key), data
     if not path.exists():
@@ -101,9 +106,9 @@ def read_records(data: str | Dataset, key: str = "dataset") -> tuple[list, str]:
     if builder == "json":
         # Read here, not through datasets: it names no line in a broken file, and it looped forever on a
         # valid file whose records nest values of mixed types (datasets 4.8, found by tests/test_fuzz.py).
-        return [record for file in files for record in _json_records(file, key)], data
+        return (record for file in files for record in _json_records(file, key)), data
     try:
-        return load_dataset(builder, data_files=files, split="train").to_list(), data
+        return _rows(load_dataset(builder, data_files=files, split="train")), data
     except Exception as error:  # datasets raises many types, rarely naming the line
         if builder == "csv":
             for file in files:
@@ -111,8 +116,26 @@ def read_records(data: str | Dataset, key: str = "dataset") -> tuple[list, str]:
         raise DataError(f"{key}: could not read {data}: {_cause(error)}") from error
 
 
-def _hub_records(name: str, key: str) -> list:
-    """The records of the `train` split of hub dataset `name` (no local file or folder has that name).
+def data_identity(data: str, key: str = "dataset") -> list:
+    """What tells, without reading it, that the data `data` names changed: each local file's path, size and
+    modification time (as `datasets` keys its own cache); for a hub dataset, the files of its `train` split in the
+    datasets cache. Mistakes are the `ConfigError`s `read_records` raises."""
+    path = Path(data).expanduser()
+    if path.exists():
+        files = [Path(file) for file in _data_files(path, key, data)[1]]
+    elif looks_like_local_path(data):
+        raise ConfigError(f"{key}: data file not found: {data}")
+    else:
+        files = [Path(entry["filename"]) for entry in _hub_split(data, key).cache_files]
+    return [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files]
+
+
+def _hub_records(name: str, key: str) -> Iterator[dict]:
+    return _rows(_hub_split(name, key))
+
+
+def _hub_split(name: str, key: str) -> Dataset:
+    """The `train` split of hub dataset `name` (no local file or folder has that name).
 
     A misspelt id, a hub out of reach (no network, or HF_HUB_OFFLINE set and the dataset not in the cache) and a
     dataset without a `train` split are each a `ConfigError` naming `key`, the id and what to do. Only the errors
@@ -142,7 +165,13 @@ def _hub_records(name: str, key: str) -> list:
             f"the train split: save the split you want as a file, e.g. load_dataset({name!r}, split={names[0]!r})"
             ".to_json('data.jsonl'), and give that file"
         )
-    return splits["train"].to_list()
+    return splits["train"]
+
+
+def _rows(dataset: Dataset) -> Iterator[dict]:
+    """A `Dataset`'s rows as dicts, read a batch at a time (row by row, a `Dataset` is slow to read)."""
+    for batch in dataset.iter(batch_size=1000):
+        yield from (dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True))
 
 
 def _one_line(error: BaseException) -> str:
@@ -167,37 +196,72 @@ def _read_text(file: str, key: str) -> str:
     return text
 
 
-def _json_records(file: str, key: str) -> list:
-    """The records of a JSON file: one document (a list of records) or JSON Lines (one record per line)."""
-    text = _read_text(file, key)
-    number = 0  # the line read as JSON Lines; 0 while the whole text is read as one document
+def _json_records(file: str, key: str) -> Iterator[dict]:
+    """The records of a JSON file: one document (a list of records, read whole) or JSON Lines (one record per line,
+    read a line at a time)."""
+    if _is_json_lines(file):
+        yield from _json_lines(file, key)
+        return
+    document = _json_value(_read_text(file, key), file, key)
+    if isinstance(document, dict):
+        yield document
+    elif isinstance(document, list):
+        yield from document
+    else:
+        raise _not_a_record(document, file, key, line=1)
+
+
+def _json_value(text: str, file: str, key: str, line: int | None = None) -> Any:
+    """`json.loads(text)`, or a `DataError` naming the file and the line (`line`, else the error's own)."""
     try:
-        try:
-            document = json.loads(text)
-            if isinstance(document, (list, dict)):  # else a lone number or string: refused below, line named
-                return document if isinstance(document, list) else [document]
-        except json.JSONDecodeError as error:
-            first = text[: error.pos].strip()  # with "Extra data": the first value, read whole
-            if error.msg != "Extra data" or first.startswith("[") or "\n" in first:
-                raise  # a broken document, or a document followed by more: not JSON Lines
-        records = []  # JSON Lines: one record per line
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            records.append(json.loads(line))
-            if not isinstance(records[-1], dict):
-                raise DataError(
-                    f"{key}: could not read {file}: line {number}: a record must be a JSON object, "
-                    f"got {type(records[-1]).__name__}"
-                )
-        return records
+        return json.loads(text)
     except json.JSONDecodeError as error:
         raise DataError(
-            f"{key}: could not read {file}: line {number or error.lineno}, column {error.colno}: not valid JSON: "
+            f"{key}: could not read {file}: line {line or error.lineno}, column {error.colno}: not valid JSON: "
             f"{error.msg}"
         ) from None
     except RecursionError:
         raise DataError(f"{key}: could not read {file}: values nested too deeply") from None
+
+
+def _not_a_record(value: Any, file: str, key: str, line: int) -> DataError:
+    return DataError(
+        f"{key}: could not read {file}: line {line}: a record must be a JSON object, got {type(value).__name__}"
+    )
+
+
+def _is_json_lines(file: str) -> bool:
+    """Whether the file is JSON Lines: its first non-blank line is a JSON object on its own, and another line
+    follows. (A document split over lines, or a single object, is read whole.)"""
+    with open(file, "rb") as lines:
+        first = next((line for line in lines if line.strip()), None)
+        if first is None or not first.lstrip(b"\xef\xbb\xbf \t").startswith(b"{"):
+            return False
+        try:
+            if not isinstance(json.loads(first.decode("utf-8-sig")), dict):
+                return False
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return False
+        return any(line.strip() for line in lines)
+
+
+def _json_lines(file: str, key: str) -> Iterator[dict]:
+    """The records of a JSON Lines file, a line at a time; a `DataError` naming the line of the first problem."""
+    with open(file, "rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(
+                    f"{key}: {file} is not valid UTF-8 text: line {number}, column {error.start + 1}: byte "
+                    f"0x{raw[error.start]:02x} (save the file as UTF-8)"
+                ) from None
+            if not line.strip():
+                continue
+            record = _json_value(line, file, key, line=number)
+            if not isinstance(record, dict):
+                raise _not_a_record(record, file, key, line=number)
+            yield record
 
 
 def _cause(error: BaseException) -> str:
@@ -224,9 +288,14 @@ def _problem(record: dict, fields: FieldNames) -> str | None:
     return None
 
 
+RECORD_FEATURES = Features({"instruction": Value("string"), "input": Value("string"), "output": Value("string")})
+# Valid records gathered as Python objects before they become Arrow: a bounded share of the set.
+CHUNK_RECORDS = 10_000
+
+
 def check_records(
-    records: list[dict], source: str, fields: FieldNames = FieldNames(), on_bad_record: OnBadRecord = "error"
-) -> tuple[list[dict[str, str]], RecordCheck]:
+    records: Iterable, source: str, fields: FieldNames = FieldNames(), on_bad_record: OnBadRecord = "error"
+) -> tuple[Dataset, RecordCheck]:
     """Check every record; stop at the first bad one (`"error"`) or skip and count them (`"skip"`)."""
 
     def problem(record: object) -> str | None:
@@ -235,43 +304,55 @@ def check_records(
     def normal(record: dict) -> dict[str, str]:
         return {role: record.get(column) or "" for role, column in vars(fields).items()}  # no input: ""
 
-    return check_each_record(records, source, on_bad_record, problem, normal)
+    return check_each_record(records, source, on_bad_record, problem, normal, RECORD_FEATURES)
 
 
 def check_each_record(
-    records: list,
+    records: Iterable,
     source: str,
     on_bad_record: OnBadRecord,
     problem: Callable[[Any], str | None],
-    normal: Callable[[Any], T],
-) -> tuple[list[T], RecordCheck]:
+    normal: Callable[[Any], dict],
+    features: Features,
+) -> tuple[Dataset, RecordCheck]:
     """The policy every record format shares: each record's `problem` (None when valid) stops the load
-    (`"error"`) or is skipped and counted (`"skip"`); a valid record is kept in its `normal` form."""
+    (`"error"`) or is skipped and counted (`"skip"`); a valid record is kept in its `normal` form, a row of a
+    `Dataset` of `features`."""
     if on_bad_record not in ("error", "skip"):
         raise ConfigError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
-    if not records:
-        raise DataError(f"{source}: no records")
-    check = RecordCheck(source=source, records=len(records))
-    valid = []
+    check = RecordCheck(source=source, records=0)
+    chunks, valid = [], []
     for index, record in enumerate(records):
+        check.records += 1
         if (found := problem(record)) is None:
             valid.append(normal(record))
+            if len(valid) == CHUNK_RECORDS:
+                chunks.append(pa.Table.from_pylist(valid, schema=features.arrow_schema))
+                valid = []
         elif on_bad_record == "error":
             raise DataError(f"{source}: record {index}: {found} (on_bad_record='skip' skips and counts such records)")
         else:
             check.skipped.append((index, found))
-    if not valid:
+    if not check.records:
+        raise DataError(f"{source}: no records")
+    if not valid and not chunks:
         raise DataError(f"{check}: no valid record left")
-    return valid, check
+    if valid:
+        chunks.append(pa.Table.from_pylist(valid, schema=features.arrow_schema))
+    # A fingerprint of our own: without one, datasets hashes the whole table to make one (for 500k records, two
+    # more copies of the set in memory and most of the load's time).
+    return Dataset(InMemoryTable(pa.concat_tables(chunks)), fingerprint=uuid.uuid4().hex), check
 
 
-def split_records(
-    records: list[dict[str, str]], eval_ratio: float, seed: int
-) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def split_records(records: Dataset, eval_ratio: float, seed: int) -> tuple[Dataset, Dataset]:
     """Shuffle with `seed` and split off `eval_ratio` of the records (at least one) for evaluation."""
-    shuffled = list(records)
-    random.Random(seed).shuffle(shuffled)
-    n_eval = max(1, round(len(shuffled) * eval_ratio))
-    if n_eval >= len(shuffled):
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(order) * eval_ratio))
+    if n_eval >= len(order):
         raise DataError(f"{len(records)} record(s) are too few to hold out {eval_ratio:.0%} for evaluation")
-    return shuffled[n_eval:], shuffled[:n_eval]
+    # Fingerprints of our own: datasets would hash the list of indices for each.
+    return (
+        records.select(order[n_eval:], new_fingerprint=uuid.uuid4().hex),
+        records.select(order[:n_eval], new_fingerprint=uuid.uuid4().hex),
+    )

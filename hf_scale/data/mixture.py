@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+import numpy as np
 from datasets import Dataset, concatenate_datasets, interleave_datasets
 
 from hf_scale.data.conversations import MESSAGES, SHAREGPT, ConversationFields
@@ -119,8 +119,8 @@ def mix(datasets: list[Dataset], weights: list[float], mixture: Mixture, seed: i
             seed=seed,
             stopping_strategy="first_exhausted" if mixture == "interleave" else "all_exhausted",
         )
-    drawn = Counter(mixed["source"])
-    return mixed.remove_columns("source"), [drawn[index] for index in range(len(datasets))]
+    drawn = np.bincount(mixed.with_format("arrow")["source"].to_numpy(), minlength=len(datasets))
+    return mixed.remove_columns("source"), drawn.tolist()
 
 
 def describe_draws(names: list[str], examples: list[int], drawn: list[int], mixture: Mixture, seed: int) -> str:

@@ -18,13 +18,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
-from datasets import Dataset
+import numpy as np
+import pyarrow as pa
+from datasets import Dataset, Features, Value
 from transformers import PreTrainedTokenizerBase
 
 from hf_scale.data.templates import ALPACA, ALPACA_ZH, PromptTemplate, through_end_of_turn
-from hf_scale.data.tokenize import IGNORE_INDEX, Truncation, percentile_99
+from hf_scale.data.tokenize import (
+    EXAMPLE_FEATURES,
+    IGNORE_INDEX,
+    Truncation,
+    arrow_rows,
+    column,
+    encode_texts,
+    examples_kept,
+    map_in_batches,
+    percentile_99,
+)
 from hf_scale.errors import ConfigError, DataError
 
 Turn = dict[str, str]
@@ -123,6 +136,26 @@ def render(tokenizer: PreTrainedTokenizerBase, template: str, turns: list[Turn],
     )
 
 
+def render_all(
+    tokenizer: PreTrainedTokenizerBase, template: str, conversations: list[list[Turn]], generation_prompt: bool
+) -> list[str]:
+    """`render` of many conversations in one call: the template's per-call cost is paid once."""
+    if not conversations:
+        return []
+    # A conversation without turns (the generation prompt of a first answer with no system turn) renders alone:
+    # apply_chat_template takes a batch for a conversation only when its first element is a list of turns.
+    texts = [None if turns else render(tokenizer, template, [], generation_prompt) for turns in conversations]
+    non_empty = [turns for turns in conversations if turns]
+    if non_empty:
+        rendered = iter(
+            tokenizer.apply_chat_template(
+                non_empty, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        )
+        texts = [text if text is not None else next(rendered) for text in texts]
+    return texts
+
+
 def assistant_spans(
     tokenizer: PreTrainedTokenizerBase, template: str, turns: list[Turn]
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -131,20 +164,30 @@ def assistant_spans(
     A span starts where the turn's generation prompt ends and runs through the first special token after the
     turn's content (its end of turn); what follows that token (ChatML's newline) belongs to no turn."""
     text = render(tokenizer, template, turns, generation_prompt=False)
-    spans = []
-    for index, turn in enumerate(turns):
-        if turn["role"] != "assistant":
-            continue
-        prompt = render(tokenizer, template, turns[:index], generation_prompt=True)
-        answered = render(tokenizer, template, turns[: index + 1], generation_prompt=False)
-        if not (answered.startswith(prompt) and text.startswith(answered)):
+    return text, spans_in_all(tokenizer, template, [turns], [text])[0]
+
+
+def spans_in_all(
+    tokenizer: PreTrainedTokenizerBase, template: str, conversations: list[list[Turn]], texts: list[str]
+) -> list[list[tuple[int, int]]]:
+    """`assistant_spans` of many conversations, whose `texts` are rendered already: every prompt of an assistant
+    turn (the conversation before it, with the generation prompt) and every conversation through that turn are
+    rendered in two calls, and the turn's span read between them."""
+    turns_at = [
+        (c, index) for c, turns in enumerate(conversations) for index, t in enumerate(turns) if t["role"] == "assistant"
+    ]
+    prompts = render_all(tokenizer, template, [conversations[c][:index] for c, index in turns_at], True)
+    answered = render_all(tokenizer, template, [conversations[c][: index + 1] for c, index in turns_at], False)
+    spans: list[list[tuple[int, int]]] = [[] for _ in conversations]
+    for (c, index), prompt, through_turn in zip(turns_at, prompts, answered, strict=True):
+        if not (through_turn.startswith(prompt) and texts[c].startswith(through_turn)):
             raise ConfigError(
                 "template: rendering a conversation does not extend the rendering of its beginning (the template "
                 f"rewrites earlier turns, at turn {index}), so the prompt trained on would differ from the prompt "
                 "generated from; use a template that renders turns in order"
             )
-        tail = answered[len(prompt) :]
-        content = turn["content"].strip()  # templates may strip it (LLaMA-2's does)
+        tail = through_turn[len(prompt) :]
+        content = conversations[c][index]["content"].strip()  # templates may strip it (LLaMA-2's does)
         after_content = tail.find(content) + len(content) if content in tail else 0
         through, end_of_turn = through_end_of_turn(tokenizer, tail[after_content:])
         if not end_of_turn:
@@ -152,25 +195,32 @@ def assistant_spans(
                 f"template: the assistant's turn {index} ends with no special token (such as EOS): a model trained "
                 "on it could never learn where its turn ends"
             )
-        spans.append((len(prompt), len(prompt) + after_content + len(through)))
-    return text, spans
+        spans[c].append((len(prompt), len(prompt) + after_content + len(through)))
+    return spans
 
 
 def tokenize_conversations(
-    conversations: list[list[Turn]],
+    conversations: Dataset | list[list[Turn]],
     tokenizer: PreTrainedTokenizerBase,
     template: str,
     max_length: int,
     assistant_turns: AssistantTurns = "all",
     train_on_inputs: bool = False,
     truncation: Truncation = "keep_prompt",
+    system_prompt: str | None = None,
+    num_proc: int | None = None,
+    cache_file_name: str | None = None,
 ) -> tuple[Dataset, ConversationSummary]:
     """Turn conversations into a `Dataset` of `input_ids`, `attention_mask` and `labels`.
 
-    `template` is a Jinja chat template (`chat_template_for`); `assistant_turns` trains on every assistant turn
-    ("all") or the last one only; `train_on_inputs` trains on every token but the first. An over-long conversation
-    loses its oldest user/assistant pairs; when the last pair alone is too long, "keep_prompt" cuts the end of its
-    answer and "drop" (or "cut_prompt_left", which a conversation has no use for) drops it.
+    `conversations` are lists of turns, or a `Dataset` whose `turns` column holds them. `template` is a Jinja chat
+    template (`chat_template_for`); `assistant_turns` trains on every assistant turn ("all") or the last one only
+    ("last"); `train_on_inputs` trains on every token but the first; `system_prompt` is put first in every
+    conversation that brings no system turn of its own. An over-long conversation loses its oldest user/assistant
+    pairs; when the last pair alone is too long, "keep_prompt" cuts the end of its answer and "drop" (or
+    "cut_prompt_left", which a conversation has no use for) drops it. Batches of conversations are rendered and
+    tokenized together by `Dataset.map`, in `num_proc` processes, written to `cache_file_name` as
+    `tokenize_records` does.
 
     Example:
         conversations, _ = load_conversations("chats.jsonl", fields=SHAREGPT)
@@ -180,53 +230,122 @@ def tokenize_conversations(
     """
     if assistant_turns not in ("all", "last"):
         raise ConfigError(f"assistant_turns must be 'all' or 'last', got {assistant_turns!r}")
-    summary = ConversationSummary(conversations=len(conversations))
-    examples: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": [], "labels": []}
-    whole_lengths = []
-    for index, turns in enumerate(conversations):
-        system, dialog = (turns[:1], turns[1:]) if turns[0]["role"] == "system" else ([], turns)
-        for first_pair in range(0, len(dialog), 2):  # drop the oldest pairs until the rest fits
-            ids, labels, merges = _label(tokenizer, template, system + dialog[first_pair:], assistant_turns)
-            if first_pair == 0:
-                whole_lengths.append(len(ids))
-            if len(ids) <= max_length:
-                break
-        if first_pair:
-            summary.shortened += 1
-            summary.pairs_removed += first_pair // 2
+    if not isinstance(conversations, Dataset):
+        conversations = Dataset.from_dict({"turns": conversations})
+    tokenize = partial(
+        _tokenize_batch,
+        tokenizer=tokenizer,
+        template=template,
+        max_length=max_length,
+        assistant_turns=assistant_turns,
+        train_on_inputs=train_on_inputs,
+        truncation=truncation,
+        system_prompt=system_prompt,
+    )
+    rows = map_in_batches(conversations, tokenize, CONVERSATION_ROW_FEATURES, num_proc, cache_file_name, "tokenizing")
+    outcomes, pairs_removed = column(rows, "outcome"), column(rows, "pairs_removed")
+    summary = ConversationSummary(
+        conversations=len(rows),
+        shortened=int(np.count_nonzero(pairs_removed)),
+        pairs_removed=int(pairs_removed.sum()),
+        answer_cut=int(np.count_nonzero(outcomes == "answer_cut")),
+        dropped_too_long=int(np.count_nonzero(outcomes == "dropped_too_long")),
+        boundary_merges=int(column(rows, "boundary_merges").sum()),
+        length_for_99_percent=percentile_99(column(rows, "whole_length")),
+        tokens=int(column(rows, "tokens").sum()),
+        label_tokens=int(column(rows, "label_tokens").sum()),
+    )
+    if len(rows) and summary.dropped_too_long == len(rows):
+        raise DataError(f"max_length={max_length} leaves no example: all {len(rows)} conversations dropped as too long")
+    dataset, summary.dropped_indices = examples_kept(rows, outcomes != "dropped_too_long")
+    summary.examples = len(dataset)
+    return dataset, summary
+
+
+# One row a conversation: the example (empty lists when dropped), and what the summary counts.
+CONVERSATION_ROW_FEATURES = Features(
+    {
+        **EXAMPLE_FEATURES,
+        "outcome": Value("string"),  # whole (perhaps shortened), answer_cut or dropped_too_long
+        "pairs_removed": Value("int32"),  # oldest user/assistant pairs removed to fit
+        "boundary_merges": Value("int32"),
+        "whole_length": Value("int32"),  # tokens before any cut
+        "tokens": Value("int32"),
+        "label_tokens": Value("int32"),
+    }
+)
+
+
+def _tokenize_batch(
+    columns: dict[str, list],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    max_length: int,
+    assistant_turns: AssistantTurns,
+    train_on_inputs: bool,
+    truncation: Truncation,
+    system_prompt: str | None,
+) -> pa.Table:
+    """Conversations (the `turns` column) to one row each.
+
+    Each conversation is rendered and tokenized whole; only those too long are rendered again, without their oldest
+    pair, until they fit or one pair is left. Then every assistant turn of the conversations as they stand is
+    located and labelled (`spans_in_all`)."""
+    systems, dialogs = [], []  # each conversation's system turn (or none) and its user/assistant turns
+    for turns in columns["turns"]:
+        turns = [{"role": turn["role"], "content": turn["content"]} for turn in turns]
+        has_system = turns[0]["role"] == "system"
+        systems.append(
+            turns[:1] if has_system else [{"role": "system", "content": system_prompt}] * bool(system_prompt)
+        )
+        dialogs.append(turns[1:] if has_system else turns)
+    first_pairs = [0] * len(dialogs)
+
+    def current(c: int) -> list[Turn]:
+        return systems[c] + dialogs[c][first_pairs[c] :]
+
+    texts = render_all(tokenizer, template, [current(c) for c in range(len(dialogs))], False)
+    encodings = encode_texts(tokenizer, texts) if texts else []
+    whole_lengths = [len(encoding.ids) for encoding in encodings]
+    too_long = list(range(len(dialogs)))
+    while too_long := [
+        c for c in too_long if len(encodings[c].ids) > max_length and first_pairs[c] + 2 < len(dialogs[c])
+    ]:
+        for c in too_long:
+            first_pairs[c] += 2  # the oldest user/assistant pair goes
+        shortened = render_all(tokenizer, template, [current(c) for c in too_long], False)
+        for c, text, encoding in zip(too_long, shortened, encode_texts(tokenizer, shortened), strict=True):
+            texts[c], encodings[c] = text, encoding
+    final = [current(c) for c in range(len(dialogs))]
+    spans = spans_in_all(tokenizer, template, final, texts)
+    rows: dict[str, list] = {name: [] for name in CONVERSATION_ROW_FEATURES if name != "attention_mask"}
+    for encoding, turn_spans, first_pair, whole_length in zip(
+        encodings, spans, first_pairs, whole_lengths, strict=True
+    ):
+        ids, labels, merges = _labels(encoding, turn_spans[-1:] if assistant_turns == "last" else turn_spans)
+        outcome = "whole"
         if len(ids) > max_length:
             if truncation != "keep_prompt" or all(label == IGNORE_INDEX for label in labels[:max_length]):
-                summary.dropped_too_long += 1
-                summary.dropped_indices.append(index)
-                continue
-            ids, labels = ids[:max_length], labels[:max_length]  # the answer did not end here: no end of turn
-            summary.answer_cut += 1
-        if train_on_inputs:
+                outcome, ids, labels, merges = "dropped_too_long", [], [], 0
+            else:
+                outcome = "answer_cut"
+                ids, labels = ids[:max_length], labels[:max_length]  # the answer did not end here: no end of turn
+        if train_on_inputs and ids:
             labels = [IGNORE_INDEX, *ids[1:]]
-        summary.boundary_merges += merges
-        examples["input_ids"].append(ids)
-        examples["attention_mask"].append([1] * len(ids))
-        examples["labels"].append(labels)
-    if conversations and not examples["input_ids"]:
-        raise DataError(
-            f"max_length={max_length} leaves no example: all {len(conversations)} conversations dropped as too long"
-        )
-    summary.examples = len(examples["input_ids"])
-    summary.tokens = sum(map(len, examples["input_ids"]))
-    summary.label_tokens = sum(len(labels) - labels.count(IGNORE_INDEX) for labels in examples["labels"])
-    summary.length_for_99_percent = percentile_99(whole_lengths)
-    return Dataset.from_dict(examples), summary
+        rows["input_ids"].append(ids)
+        rows["labels"].append(labels)
+        rows["outcome"].append(outcome)
+        rows["pairs_removed"].append(first_pair // 2)
+        rows["boundary_merges"].append(merges)
+        rows["whole_length"].append(whole_length)
+        rows["tokens"].append(len(ids))
+        rows["label_tokens"].append(len(labels) - labels.count(IGNORE_INDEX))
+    return arrow_rows(rows, CONVERSATION_ROW_FEATURES)
 
 
-def _label(
-    tokenizer: PreTrainedTokenizerBase, template: str, turns: list[Turn], assistant_turns: AssistantTurns
-) -> tuple[list[int], list[int], int]:
-    """(input ids, labels, tokens that span a turn's start) of one rendered conversation."""
-    text, spans = assistant_spans(tokenizer, template, turns)
-    if assistant_turns == "last":
-        spans = spans[-1:]
-    # Through the tokenizer's __call__: the template wrote BOS (and any other special token) into the text itself.
-    encoding = tokenizer(text, add_special_tokens=False).encodings[0]
+def _labels(encoding, spans: list[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+    """(input ids, labels, tokens that span a turn's start) of one tokenized conversation: a token is trained on
+    when its characters overlap an assistant span."""
     labels, merges = [], 0
     for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
         trained = any(end > span_start and start < span_end for span_start, span_end in spans)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from itertools import groupby
 
+import pyarrow.compute as pc
+from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from hf_scale.data.batching import Batching, padding_fraction
@@ -17,6 +19,11 @@ def render_masked_example(tokenizer: PreTrainedTokenizerBase, input_ids: list[in
         text = tokenizer.decode([token for token, _ in pairs])
         pieces.append(f"⟦{text}⟧" if trained else text)
     return "".join(pieces)
+
+
+def example_lengths(dataset: Dataset) -> list[int]:
+    """Each example's length in tokens, read from Arrow (not a Python list of token ids an example)."""
+    return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
 
 
 def batching_of(packing: bool, train_sampling_strategy: str) -> Batching:

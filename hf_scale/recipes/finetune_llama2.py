@@ -28,7 +28,7 @@ from hf_scale.arguments import ScaleTrainingArguments, prepare_run
 from hf_scale.data.arguments import DataArguments
 from hf_scale.data.batching import make_collator
 from hf_scale.data.mixture import describe_draws
-from hf_scale.data.summary import batching_of, describe_batching, render_masked_example
+from hf_scale.data.summary import batching_of, describe_batching, example_lengths, render_masked_example
 from hf_scale.data.tokenize import responses_cut_warning
 from hf_scale.evaluation import GenerationEval
 from hf_scale.modeling import ModelArguments, load_model
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> dict:
     batching = batching_of(data_args.packing, args.train_sampling_strategy)
     padding = {
         name: describe_batching(
-            [len(ids) for ids in dataset["input_ids"]],
+            example_lengths(dataset),
             args.per_device_train_batch_size,
             batching,
             data_args.pad_to_multiple_of,
@@ -86,6 +86,13 @@ def main(argv: list[str]) -> dict:
         for record_check in source.record_checks:
             say(record_check)
         of = f" from {source.source.name}" if mixed else ""
+        # Where each process's examples came from: the first process tokenizes, the others (and a relaunch) read
+        # what it left in the cache.
+        origin = "read from the cache" if source.reused else "tokenized"
+        if args.world_size > 1:
+            print(f"process {args.process_index}: examples of {source.source.name} {origin}")
+        elif source.reused:
+            say(f"examples of {source.source.name} {origin}")
         for name, summary in (("train", source.train_summary), ("eval", source.eval_summary)):
             say(f"{name}{of}: {summary}" + ("" if mixed else f"; {padding[name]}"))
         if warning := responses_cut_warning("train", source.train_summary, data_args.max_length, source.source.name):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from itertools import zip_longest
+from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, concatenate_datasets
@@ -15,19 +19,27 @@ from transformers import HfArgumentParser, PreTrainedTokenizerBase
 from hf_scale.arguments import ScaleTrainingArguments
 from hf_scale.config import check_config, parse_config
 from hf_scale.data.arguments import DataArguments
-from hf_scale.data.cache import cached_tokenize_records
+from hf_scale.data.cache import (
+    COMPLETE,
+    cached_folder,
+    dataset_files,
+    digest,
+    read_dataset,
+    temporary_folder,
+    tokenizer_digest,
+)
 from hf_scale.data.conversations import load_conversations
-from hf_scale.data.loading import OnBadRecord, RecordCheck, load_records, split_records
+from hf_scale.data.loading import OnBadRecord, RecordCheck, data_identity, load_records, split_records
 from hf_scale.data.mixture import DataSource, mix
 from hf_scale.data.multiturn import (
     CONVERSATION_TEMPLATES,
     ConversationSummary,
     chat_template_for,
-    render,
+    render_all,
     tokenize_conversations,
 )
 from hf_scale.data.templates import CHAT_TEMPLATE, PromptTemplate, get_template
-from hf_scale.data.tokenize import TokenizationSummary, check_examples_left, tokenize_records
+from hf_scale.data.tokenize import TokenizationSummary, check_examples_left, examples_of, tokenize_records
 from hf_scale.distributed import set_single_process_launch_environment
 from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.gguf_source import ensure_converted, gguf_path, is_gguf_source
@@ -113,6 +125,7 @@ class SourceData:
     # Held-out records that generation answers: Alpaca records, or a conversation's last turn as its `prompt_ids`
     # (the history rendered with the generation prompt) and `output`.
     held_out: list[dict[str, Any]]
+    reused: bool = False  # read from the cache that an earlier run or another process made
 
 
 @dataclass
@@ -131,10 +144,11 @@ class PreparedData:
 
 def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: ScaleTrainingArguments) -> PreparedData:
     """Each source's records (each one checked; a held-out split), the tokenizer, examples labelled on the
-    responses only, and the sources mixed."""
-    sources = data_args.sources()
-    loaded = [load_source(source, data_args.on_bad_record, data_args.eval_ratio, args.seed) for source in sources]
+    responses only, and the sources mixed.
 
+    The first process of each node (`main_process_first`) reads and tokenizes each source into the cache
+    (`hf_scale.data.cache`); the others wait, then memory-map what it wrote, as a relaunch does."""
+    sources = data_args.sources()
     model_path = model_args.model_name_or_path
     if model_path is None:
         with args.main_process_first(desc="building the embedded tiny model"):
@@ -151,10 +165,7 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Sca
     if data_args.template.lstrip().startswith("{"):
         tokenizer.chat_template = None
     with args.main_process_first(desc="tokenizing"):
-        prepared = [
-            tokenize_source(source, train, held_out, checks, tokenizer, template, data_args)
-            for source, (train, held_out, checks) in zip(sources, loaded, strict=True)
-        ]
+        prepared = [prepare_source(source, tokenizer, template, data_args, args.seed) for source in sources]
     train_dataset, drawn = mix(
         [source.train_dataset for source in prepared], [s.weight for s in sources], data_args.mixture, args.seed
     )
@@ -163,11 +174,150 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Sca
     return PreparedData(model_path, tokenizer, template, train_dataset, eval_dataset, prepared, drawn, held_out)
 
 
+def prepare_source(
+    source: DataSource,
+    tokenizer: PreTrainedTokenizerBase,
+    template: PromptTemplate,
+    data_args: DataArguments,
+    seed: int,
+) -> SourceData:
+    """One source's examples from the cache, made there first unless an earlier run or process did (`reused`).
+
+    The embedded tasks and runs with `cache_tokenized` off are made in a folder of this process's own, removed at
+    exit."""
+    root = cache_dir() / "tokenized"
+    identity = source_identity(source)
+    if identity is None or not data_args.cache_tokenized:
+        folder, reused = temporary_folder(root), False
+        build_source(folder, source, tokenizer, template, data_args, seed)
+    else:
+        settings = {name: getattr(data_args, name) for name in KEY_SETTINGS}
+        chat_template = tokenizer.chat_template if source.is_conversations else None
+        key = digest(
+            identity,
+            dataclasses.asdict(source),
+            settings,
+            seed,
+            dataclasses.asdict(template),
+            chat_template,
+            tokenizer_digest(tokenizer),
+        )
+        build = partial(
+            build_source, source=source, tokenizer=tokenizer, template=template, data_args=data_args, seed=seed
+        )
+        folder, reused = cached_folder(root, key, build)
+    info = json.loads((folder / COMPLETE).read_text())
+    summary_type = ConversationSummary if source.is_conversations else TokenizationSummary
+    return SourceData(
+        source=source,
+        record_checks=[
+            RecordCheck(c["source"], c["records"], [tuple(s) for s in c["skipped"]]) for c in info["checks"]
+        ],
+        # the files hold a row a record, empty where the record was dropped
+        train_dataset=examples_of(read_dataset(folder, info["train_files"]), info["train_summary"]["dropped_indices"]),
+        eval_dataset=examples_of(read_dataset(folder, info["eval_files"]), info["eval_summary"]["dropped_indices"]),
+        train_summary=summary_type(**info["train_summary"]),
+        eval_summary=summary_type(**info["eval_summary"]),
+        held_out=info["held_out"],
+        reused=reused,
+    )
+
+
+# The data arguments a source's examples depend on (with the source, the template, the tokenizer and the seed).
+KEY_SETTINGS = (
+    "on_bad_record",
+    "eval_ratio",
+    "max_length",
+    "truncation",
+    "train_on_inputs",
+    "assistant_turns",
+    "system_prompt",
+    "exact_match_samples",
+)
+# Sets at least this large are tokenized in one process a core: below it, starting the processes costs more.
+PARALLEL_RECORDS = 20_000
+
+
+def source_identity(source: DataSource) -> list | None:
+    """What tells that a source's data changed: its files' paths, sizes and modification times (or a hub id's cached
+    files); None for the embedded tasks, which are made again each time."""
+    if source.path is None:
+        return None
+    return [
+        data_identity(path, key) for path, key in ((source.path, "dataset"), (source.eval_path, "eval_dataset")) if path
+    ]
+
+
+def build_source(
+    folder: Path,
+    source: DataSource,
+    tokenizer: PreTrainedTokenizerBase,
+    template: PromptTemplate,
+    data_args: DataArguments,
+    seed: int,
+) -> None:
+    """Read, check, split and tokenize one source into `folder`: Arrow files of the train and eval examples, and
+    `info.json` (written last) with the record checks, the summaries and the held-out records generation answers."""
+    train, held_out, checks = load_source(source, data_args.on_bad_record, data_args.eval_ratio, seed)
+    # The records in split order, written out and memory-mapped: the loaded set leaves memory, and the processes
+    # that tokenize read their share of a file instead of each receiving a copy.
+    train = train.flatten_indices(cache_file_name=str(folder / "records-train.arrow"))
+    held_out = held_out.flatten_indices(cache_file_name=str(folder / "records-eval.arrow"))
+    settings: dict[str, Any] = dict(
+        max_length=data_args.max_length, train_on_inputs=data_args.train_on_inputs, truncation=data_args.truncation
+    )
+    num_proc = data_args.preprocessing_num_workers
+    if num_proc is None and len(train) >= PARALLEL_RECORDS:
+        num_proc = len(os.sched_getaffinity(0))
+    if source.is_conversations:
+        chat_template = chat_template_for(data_args.template, tokenizer)
+        tokenize = partial(
+            tokenize_conversations,
+            tokenizer=tokenizer,
+            template=chat_template,
+            assistant_turns=data_args.assistant_turns,
+            system_prompt=data_args.system_prompt,
+            **settings,
+        )
+        samples = held_out.select(range(min(data_args.exact_match_samples, len(held_out))))
+        system = [{"role": "system", "content": data_args.system_prompt}] if data_args.system_prompt else []
+        conversations = [t if t[0]["role"] == "system" else system + t for t in samples["turns"]]
+        # Generation answers a conversation's last turn from the history rendered with the generation prompt.
+        samples = [
+            {"prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"], "output": turns[-1]["content"]}
+            for turns, prompt in zip(
+                conversations, render_all(tokenizer, chat_template, [t[:-1] for t in conversations], True), strict=True
+            )
+        ]
+    else:
+        tokenize = partial(tokenize_records, tokenizer=tokenizer, template=template, **settings)
+        samples = held_out.select(range(min(data_args.exact_match_samples, len(held_out)))).to_list()
+    train_dataset, train_summary = tokenize(train, num_proc=num_proc, cache_file_name=str(folder / "train.arrow"))
+    eval_dataset, eval_summary = tokenize(held_out, cache_file_name=str(folder / "eval.arrow"))
+    if not source.is_conversations:
+        for name, summary in (("train", train_summary), ("eval", eval_summary)):
+            check_examples_left(name, summary, data_args.max_length, data_args.truncation, source.name)
+    info = {
+        "checks": [dataclasses.asdict(check) for check in checks],
+        "train_files": dataset_files(train_dataset, folder),
+        "eval_files": dataset_files(eval_dataset, folder),
+        "train_summary": dataclasses.asdict(train_summary),
+        "eval_summary": dataclasses.asdict(eval_summary),
+        "held_out": samples,
+    }
+    for path in folder.glob("*.arrow"):  # the records, written out to be tokenized
+        if path.name not in info["train_files"] + info["eval_files"]:
+            path.unlink()
+    (folder / COMPLETE).write_text(json.dumps(info))
+
+
 def load_source(source: DataSource, on_bad_record: OnBadRecord, eval_ratio: float, seed: int) -> tuple:
-    """(train items, held-out items, record checks) of one source: Alpaca records or conversations."""
+    """(train items, held-out items, record checks) of one source: Alpaca records or conversations, as Datasets."""
     if source.path is None:
         train, held_out = generate_conversation_tasks() if source.is_conversations else generate_tasks()
-        return train, held_out, []
+        if source.is_conversations:
+            return Dataset.from_dict({"turns": train}), Dataset.from_dict({"turns": held_out}), []
+        return Dataset.from_list(train), Dataset.from_list(held_out), []
     if source.is_conversations:
         load = partial(load_conversations, fields=source.conversation_fields, on_bad_record=on_bad_record)
     else:
@@ -178,61 +328,6 @@ def load_source(source: DataSource, on_bad_record: OnBadRecord, eval_ratio: floa
     items, check = load(source.path)
     train, held_out = split_records(items, eval_ratio, seed)
     return train, held_out, [check]
-
-
-def tokenize_source(
-    source: DataSource,
-    train: list,
-    held_out: list,
-    record_checks: list[RecordCheck],
-    tokenizer: PreTrainedTokenizerBase,
-    template: PromptTemplate,
-    data_args: DataArguments,
-) -> SourceData:
-    """One source's train and held-out examples, labelled on the responses (or assistant turns) only."""
-    settings: dict[str, Any] = dict(
-        max_length=data_args.max_length, train_on_inputs=data_args.train_on_inputs, truncation=data_args.truncation
-    )
-    if source.is_conversations:
-        chat_template = chat_template_for(data_args.template, tokenizer)
-        if data_args.system_prompt:  # the run's system prompt, where a conversation brings none of its own
-            system = [{"role": "system", "content": data_args.system_prompt}]
-            train, held_out = ([system + t if t[0]["role"] != "system" else t for t in c] for c in (train, held_out))
-        tokenize = partial(
-            tokenize_conversations, template=chat_template, assistant_turns=data_args.assistant_turns, **settings
-        )
-        (train_dataset, train_summary), (eval_dataset, eval_summary) = (
-            tokenize(train, tokenizer),
-            tokenize(held_out, tokenizer),
-        )
-        last_turns = [
-            {
-                "prompt_ids": tokenizer(
-                    render(tokenizer, chat_template, turns[:-1], generation_prompt=True), add_special_tokens=False
-                )["input_ids"],
-                "output": turns[-1]["content"],
-            }
-            for turns in held_out[: data_args.exact_match_samples]
-        ]
-        return SourceData(source, record_checks, train_dataset, eval_dataset, train_summary, eval_summary, last_turns)
-    tokenize = partial(tokenize_records, **settings)
-    if data_args.cache_tokenized:
-        tokenize = partial(cached_tokenize_records, cache_dir=cache_dir() / "tokenized", **settings)
-    train_dataset, train_summary, *_ = tokenize(
-        train, tokenizer, template, num_proc=data_args.preprocessing_num_workers
-    )
-    eval_dataset, eval_summary, *_ = tokenize(held_out, tokenizer, template)
-    for name, summary in (("train", train_summary), ("eval", eval_summary)):
-        check_examples_left(name, summary, data_args.max_length, data_args.truncation, source.name)
-    return SourceData(
-        source,
-        record_checks,
-        train_dataset,
-        eval_dataset,
-        train_summary,
-        eval_summary,
-        held_out[: data_args.exact_match_samples],
-    )
 
 
 def run_as_program(main: Callable[[list[str]], dict]) -> None:

@@ -89,3 +89,14 @@ def test_real_model_prints_both_ratios_and_records_every_step(smollm2, tmp_path)
     generation = report["generation"]
     assert f"batched / one at a time: {generation['ratio']:.2f}x" in result.stdout
     assert 0 <= generation["same"] <= 2
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
+def test_data_at_scale_prints_every_size_and_the_relaunch(tiny_model_dir):
+    result = run_command([sys.executable, "bench/data_at_scale.py", "--quick"], timeout=300)
+    assert_succeeded(result, result.stderr[-3000:])
+    rows = re.findall(r"^\| (records|conversations) of (\d+) records \| (\d+) \| after \|", result.stdout, re.MULTILINE)
+    assert rows == [("records", "2000", "2000"), ("conversations", "600", "201"), ("conversations", "3000", "1008")]
+    assert re.search(r"record pairs/s at 3000 / at 600: [0-9.]+", result.stdout)
+    launches = re.findall(r"^\| after, (fresh cache|relaunch) \| ([0-9.]+) \| (\d+) \|$", result.stdout, re.MULTILINE)
+    assert [name for name, *_ in launches] == ["fresh cache", "relaunch"]

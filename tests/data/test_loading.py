@@ -23,13 +23,13 @@ def test_files_of_every_kind_and_folders(tmp_path):
     Dataset.from_list(GOOD).to_parquet(str(tmp_path / "a.parquet"))
     for name in ("a.json", "a.jsonl", "a.csv", "a.parquet"):
         records, check = load_records(str(tmp_path / name))
-        assert records == GOOD and not check.skipped, name
+        assert records.to_list() == GOOD and not check.skipped, name
     folder = tmp_path / "shards"
     folder.mkdir()
     for i, record in enumerate(GOOD):
         (folder / f"part{i}.jsonl").write_text(json.dumps(record))
-    assert load_records(str(folder))[0] == GOOD
-    assert load_records(Dataset.from_list(GOOD))[0] == GOOD
+    assert load_records(str(folder))[0].to_list() == GOOD
+    assert load_records(Dataset.from_list(GOOD))[0].to_list() == GOOD
 
 
 def test_a_folder_of_mixed_kinds_is_refused(tmp_path):
@@ -42,7 +42,7 @@ def test_a_folder_of_mixed_kinds_is_refused(tmp_path):
 def test_field_names_are_configurable():
     records = [{"prompt": "Say hi.", "response": "hi"}]
     loaded, _ = check_records(records, "mem", fields=FieldNames(instruction="prompt", output="response"))
-    assert loaded == [{"instruction": "Say hi.", "input": "", "output": "hi"}]
+    assert loaded.to_list() == [{"instruction": "Say hi.", "input": "", "output": "hi"}]
 
 
 def test_missing_file_names_the_key_and_path(tmp_path):
@@ -88,7 +88,7 @@ def test_broken_json_lines_and_non_utf8_files(tmp_path):
 def test_skip_counts_and_reports_the_first_indices():
     records = [GOOD[0]] + [record for record, _ in BAD] + [GOOD[1]]
     loaded, check = check_records(records, "data.jsonl", on_bad_record="skip")
-    assert loaded == GOOD
+    assert loaded.to_list() == GOOD
     assert [index for index, _ in check.skipped] == list(range(1, len(BAD) + 1))
     assert str(check).startswith(f"data.jsonl: skipped {len(BAD)} of {len(records)} invalid records (first: record 1:")
 
@@ -99,11 +99,12 @@ def test_nothing_valid_left_is_an_error():
 
 
 def test_split_is_disjoint_and_seeded():
-    records = [{"instruction": str(i), "input": "", "output": "x"} for i in range(100)]
+    records = Dataset.from_list([{"instruction": str(i), "input": "", "output": "x"} for i in range(100)])
     train, held_out = split_records(records, 0.1, seed=0)
     assert len(held_out) == 10 and len(train) == 90
     assert not {r["instruction"] for r in train} & {r["instruction"] for r in held_out}
-    assert split_records(records, 0.1, seed=0) == (train, held_out)
+    again = split_records(records, 0.1, seed=0)
+    assert (again[0].to_list(), again[1].to_list()) == (train.to_list(), held_out.to_list())
 
 
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="../shared/data (the real Alpaca sets) is absent")
@@ -169,7 +170,7 @@ def test_a_hub_dataset_without_a_train_split_names_the_splits_and_what_to_do(mon
 
 def test_a_hub_dataset_loads_its_train_split(monkeypatch, tmp_path):
     hub_dataset(monkeypatch, tmp_path, {"train": GOOD, "test": GOOD[:1]})
-    assert load_records("someone/alpaca")[0] == GOOD
+    assert load_records("someone/alpaca")[0].to_list() == GOOD
 
 
 def test_a_bug_while_loading_a_hub_dataset_is_not_a_config_error(monkeypatch):

@@ -29,7 +29,7 @@ CONVERSATION = [
 def shared_records(name):
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data (the real Alpaca sets) is absent")
-    return load_records(str(SHARED_DATA / name))[0]
+    return load_records(str(SHARED_DATA / name))[0].to_list()
 
 
 @pytest.fixture(scope="module")
