@@ -173,7 +173,7 @@ def main() -> None:
     path = ensure_converted(packaged_gguf("SmolLM2-135M-Instruct"))
     tokenizer = load_tokenizer(str(path))
     template = get_template("chat_template", tokenizer=tokenizer)
-    records, _ = load_records(str(options.dataset))
+    records = load_records(str(options.dataset))[0].to_list()  # a thousand records: sliced as a list below
     dataset, summary = tokenize_records(records[: options.records], tokenizer, template, options.max_length)
     print(f"{path.name}: {summary}")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"

@@ -108,7 +108,7 @@ class DataArguments:
     preprocessing_num_workers: int | None = field(
         default=None,
         metadata={
-            "help": "Processes that tokenize (datasets.map num_proc). Empty: one a core for a set of 20,000 records "
+            "help": "Processes that tokenize (datasets.map num_proc). Empty: one a core for a set of 10,000 records "
             "or more, else one (the fast tokenizer's batch call uses every core already). The result is the same."
         },
     )

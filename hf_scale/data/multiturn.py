@@ -32,6 +32,7 @@ from hf_scale.data.tokenize import (
     IGNORE_INDEX,
     Truncation,
     arrow_rows,
+    check_not_columns,
     column,
     encode_texts,
     examples_kept,
@@ -231,6 +232,7 @@ def tokenize_conversations(
     if assistant_turns not in ("all", "last"):
         raise ConfigError(f"assistant_turns must be 'all' or 'last', got {assistant_turns!r}")
     if not isinstance(conversations, Dataset):
+        check_not_columns(conversations)
         conversations = Dataset.from_dict({"turns": conversations})
     tokenize = partial(
         _tokenize_batch,

@@ -103,6 +103,7 @@ def tokenize_records(
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
         warnings.warn("pad == eos: the EOS of every example is still labelled (labels come from lengths)", stacklevel=2)
     if not isinstance(records, Dataset):
+        check_not_columns(records)
         records = Dataset.from_dict({name: [r.get(name) or "" for r in records] for name in RECORD_COLUMNS})
     tokenize = partial(
         _tokenize_batch,
@@ -148,6 +149,15 @@ RECORD_ROW_FEATURES = Features(
         "label_tokens": Value("int32"),
     }
 )
+
+
+def check_not_columns(items: object) -> None:
+    """A `TypeError` for a dict of columns where rows were meant: what `dataset[:n]` gives."""
+    if isinstance(items, dict):
+        raise TypeError(
+            "expected a Dataset or a list of rows, got a dict of columns (what slicing a Dataset, dataset[:n], "
+            "gives): use dataset.select(range(n))"
+        )
 
 
 def map_in_batches(

@@ -235,7 +235,7 @@ KEY_SETTINGS = (
     "exact_match_samples",
 )
 # Sets at least this large are tokenized in one process a core: below it, starting the processes costs more.
-PARALLEL_RECORDS = 20_000
+PARALLEL_RECORDS = 10_000
 
 
 def source_identity(source: DataSource) -> list | None:

@@ -2,6 +2,7 @@ import json
 import math
 
 import pytest
+from datasets import Dataset
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -241,3 +242,10 @@ def test_a_max_length_that_cuts_many_responses_is_a_warning_with_the_length_that
     )
     _, at_99 = tokenize_records(records, tokenizer, template, max_length=whole.length_for_99_percent)
     assert at_99.response_cut <= 0.01 * len(records)
+
+
+def test_a_sliced_dataset_is_refused_with_the_way_to_take_its_first_rows(tokenizer):
+    records = Dataset.from_list([{"instruction": "Add 1 and 2.", "input": "", "output": "3"}] * 4)
+    with pytest.raises(TypeError, match=r"dataset\[:n\].*use dataset.select\(range\(n\)\)"):
+        tokenize_records(records[:2], tokenizer, get_template("alpaca"), max_length=64)
+    assert len(tokenize_records(records.select(range(2)), tokenizer, get_template("alpaca"), max_length=64)[0]) == 2
