@@ -86,8 +86,9 @@ def tokenize_records(
     "cut_prompt_left" cuts the start of the prompt (after BOS), "drop" drops the record. The records are tokenized
     by `Dataset.map` in batches of `BATCH_SIZE`, in `num_proc` processes (one process already tokenizes on every
     core in the fast tokenizer's batch call; more processes run the labelling in parallel too); the result is the
-    same. With `cache_file_name` the examples are written there (and beside it) and memory-mapped, so memory is
-    bounded by a batch, not by the set; without it they stay in memory.
+    same. With `cache_file_name` the examples are written there and memory-mapped, so memory is bounded by a
+    batch, not by the set (a row a record; dropped records are left out by an indices mapping); without it they stay
+    in memory.
 
     Example:
         records, _ = load_records("../shared/data/alpaca_en_demo.json")
@@ -160,7 +161,7 @@ def check_not_columns(items: object) -> None:
 
 def map_in_batches(
     items: Dataset,
-    function: Callable[[dict[str, list]], dict[str, list]],
+    function: Callable[[dict[str, list]], pa.Table],
     features: Features,
     num_proc: int | None,
     cache_file_name: str | None,
