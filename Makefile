@@ -6,7 +6,7 @@ TORCH := torch==2.13.0
 # Compiled DeepSpeed ops (deepspeed_shm_comm, cpu_adam) are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install ops demo test check bench lint clean
+.PHONY: install ops demo test check test-llama-cpp bench lint clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,12 @@ test: install
 check: install
 	$(BIN)/ruff check hf_scale recipes tests bench
 	HF_SCALE_TEST_TIER=fast $(BIN)/python -m pytest -q -ra -n 2 -m "not slow or smoke" --durations=10
+
+# llama.cpp reading the GGUF exports (tests marked llama_cpp; `make test` leaves them out): llama-cpp-python compiles
+# llama.cpp when installed, about 6 minutes on 2 cores, once.
+test-llama-cpp: install
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/pip install --no-deps llama-cpp-python==0.3.36 diskcache
+	$(BIN)/python -m pytest -q -ra -s -m llama_cpp tests/test_gguf_export.py tests/test_real_model.py
 
 bench: install
 	$(BIN)/python bench/trainer_overhead.py

@@ -202,6 +202,7 @@ CHAT_EXAMPLES = """examples:
 EXPORT_EXAMPLES = """examples:
   hf-scale export outputs/tiny-cpu exported/tiny
   hf-scale export outputs/llama2-7b-lora exported/llama2-7b-merged --merge-lora
+  hf-scale export outputs/llama2-7b-lora exported/llama2-7b-q8_0.gguf --format gguf --gguf_type q8_0
 """
 
 
@@ -220,6 +221,8 @@ def export_command(options: argparse.Namespace) -> None:
         merge_lora=options.merge_lora,
         dtype=options.dtype,
         quantization=options.quantization,
+        format=options.format,
+        gguf_type=options.gguf_type,
     )
 
 
@@ -325,12 +328,28 @@ def build_parser() -> argparse.ArgumentParser:
     chat_parser.set_defaults(run=chat_command)
 
     export_parser = commands.add_parser(
-        "export", help="a plain HF model folder from a run, loadable without hf_scale", epilog=EXPORT_EXAMPLES
+        "export",
+        help="a plain HF model folder (or a GGUF file for llama.cpp) from a run, loadable without hf_scale",
+        epilog=EXPORT_EXAMPLES,
     )
     export_parser.add_argument(
         "run_dir", help="a run's output_dir (or one of its checkpoints, a .gguf file, packaged:NAME)"
     )
-    export_parser.add_argument("out", help="the new folder (must not exist)")
+    export_parser.add_argument("out", help="the new folder, or with --format gguf the new .gguf file (must not exist)")
+    export_parser.add_argument(
+        "--format",
+        choices=["hf", "gguf"],
+        default="hf",
+        help="hf: a transformers folder; gguf: one file for llama.cpp, Ollama and LM Studio (LoRA merged, tokenizer "
+        "and chat template inside; LLaMA-architecture models)",
+    )
+    export_parser.add_argument(
+        "--gguf_type",
+        "--gguf-type",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        default="f16",
+        help="with --format gguf: the type of the 2-D weights (the norms stay f32)",
+    )
     export_parser.add_argument(
         "--merge-lora", action="store_true", help="merge a LoRA adapter into its base (else the adapter is copied)"
     )

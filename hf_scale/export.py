@@ -8,7 +8,12 @@ it needs peft and the base). A DeepSpeed ZeRO checkpoint saved without consolida
 (`stage3_gather_16bit_weights_on_model_save` off in a hand-written config) is consolidated with DeepSpeed's
 `get_fp32_state_dict_from_zero_checkpoint`.
 
-OUT is written into a temporary folder beside it and renamed at the end, so a failed export leaves no half folder.
+`--format gguf` writes OUT as one GGUF file for llama.cpp (and Ollama, LM Studio) instead: the same model (LoRA
+always merged), its tokenizer and chat template, 2-D weights in `--gguf_type` f32, f16, bf16 or q8_0
+(`hf_scale.gguf_export`); LLaMA-architecture models only, checked before any weights are loaded.
+
+OUT is written beside itself under a temporary name and renamed at the end, so a failed export leaves no half folder
+or file.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from hf_scale.data.loading import looks_like_local_path
 from hf_scale.errors import ConfigError
-from hf_scale.gguf_source import model_folder
+from hf_scale.gguf_export import GGUF_TYPES, check_gguf_model, tokenizer_kind, write_gguf
+from hf_scale.gguf_source import check_gguf_installed, model_folder
 from hf_scale.modeling import (
     PICKLE_FILES,
     QUANTIZATIONS,
@@ -38,6 +44,7 @@ from hf_scale.modeling import (
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MERGE_QUANTIZATIONS = ("none", *QUANTIZATIONS)
+EXPORT_FORMATS = ("hf", "gguf")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The message the model card's loading example sends (tests run that example as written).
 CARD_EXAMPLE_MESSAGE = "What is 417 plus one?"
@@ -381,24 +388,50 @@ def _size(folder: Path) -> str:
     return f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**20:.1f} MiB"
 
 
+def exported_model(kind: str, run_dir: Path, base: str | None, dtype: str, quantized: ModelArguments | None):
+    """The model to write: the run's own, its adapter merged into its base, or its ZeRO shards consolidated."""
+    if kind == "adapter":
+        return merge_adapter(run_dir, base, dtype, quantized)
+    if kind == "zero":
+        return consolidate_zero_checkpoint(run_dir, dtype)
+    return load_causal_lm(run_dir, dtype)
+
+
+def check_gguf_out(out: Path) -> None:
+    """OUT of a GGUF export: a new file named *.gguf."""
+    if out.suffix != ".gguf":
+        raise ConfigError(f"{out}: --format gguf writes one file; give a path ending in .gguf")
+    if out.exists():
+        raise ConfigError(f"{out} exists: hf-scale export does not overwrite, give a new file")
+
+
 def export_run(
     run_dir: str | os.PathLike,
     out: str | os.PathLike,
     merge_lora: bool = False,
     dtype: str = "auto",
     quantization: str | None = None,
+    format: str = "hf",
+    gguf_type: str = "f16",
 ) -> Path:
-    """Write the run in `run_dir` to the new folder `out` as a plain HF folder (see the module docstring).
+    """Write the run in `run_dir` to `out`: a new HF folder (see the module docstring), or with `format="gguf"` one
+    GGUF file whose 2-D weights are in `gguf_type` (f32, f16, bf16, q8_0; `hf_scale.gguf_export`).
 
     `quantization` ("none", "nf4", "fp4", "int8"): how the base of the adapter to merge was loaded in training, for
     a folder without its run's run_config.json (`merge_quantization`).
     """
     run_dir, out = model_folder(str(run_dir)), Path(out)
+    if format not in EXPORT_FORMATS:
+        raise ConfigError(f"--format: expected one of {', '.join(EXPORT_FORMATS)}, got {format!r}")
+    if gguf_type not in GGUF_TYPES:
+        raise ConfigError(f"--gguf_type: expected one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantization not in (None, *MERGE_QUANTIZATIONS):
         raise ConfigError(f"--quantization: expected one of {', '.join(MERGE_QUANTIZATIONS)}, got {quantization!r}")
     kind = run_kind(run_dir)
+    if format == "gguf":
+        return export_gguf(run_dir, out, kind, dtype, quantization, gguf_type)
     check_out(out)
     base = adapter_base(run_dir) if kind == "adapter" else None
     copy_adapter = kind == "adapter" and not merge_lora
@@ -422,12 +455,7 @@ def export_run(
                 shutil.copy2(run_dir / name, staging / name)
             saved_dtype = "adapter weights as saved"
         else:
-            if kind == "adapter":
-                model = merge_adapter(run_dir, base, dtype, quantized)
-            elif kind == "zero":
-                model = consolidate_zero_checkpoint(run_dir, dtype)
-            else:
-                model = load_causal_lm(run_dir, dtype)
+            model = exported_model(kind, run_dir, base, dtype, quantized)
             _with_pad_token(model, tokenizer).save_pretrained(staging)
             saved_dtype = str(model.dtype).removeprefix("torch.")
         tokenizer.save_pretrained(staging)
@@ -462,4 +490,44 @@ def export_run(
         )
     else:
         print(f'load it with AutoModelForCausalLM.from_pretrained("{out}") and AutoTokenizer.from_pretrained("{out}")')
+    return out
+
+
+def export_gguf(run_dir: Path, out: Path, kind: str, dtype: str, quantization: str | None, gguf_type: str) -> Path:
+    """The run's model (an adapter merged into its base) as the GGUF file `out`; the architecture and tokenizer are
+    checked before any weights are loaded."""
+    check_gguf_out(out)
+    check_gguf_installed("--format gguf")
+    if dtype != "auto":
+        raise ConfigError(f"--dtype {dtype} is for --format hf; a GGUF file's weights are in --gguf_type ({gguf_type})")
+    base = adapter_base(run_dir) if kind == "adapter" else None
+    check_gguf_model(AutoConfig.from_pretrained(base or run_dir), run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    tokenizer_kind(tokenizer)
+    quantized = merge_quantization(run_dir, quantization) if kind == "adapter" else None
+    if quantization is not None and kind != "adapter":
+        raise ConfigError(f"--quantization says how a LoRA adapter's base was loaded; {run_dir} holds a full model")
+
+    # Loaded in fp32, so the GGUF type is the only rounding (a bf16 run's weights are exact in fp32).
+    model = exported_model(kind, run_dir, base, "float32", quantized)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    os.close(handle)
+    staging = Path(staging)
+    try:
+        write_gguf(model, tokenizer, staging, gguf_type, name=out.stem)
+        staging.rename(out)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    how = {
+        "model": "full model",
+        "zero": "full model consolidated from the DeepSpeed ZeRO checkpoint",
+        "adapter": "LoRA merged into its base" + (" (dequantized from the base it trained on)" if quantized else ""),
+    }[kind]
+    size = out.stat().st_size
+    shown = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    template = "with its chat template" if tokenizer.chat_template else "no chat template"
+    print(f"exported {run_dir} to {out}: {how}, GGUF {gguf_type} (norms f32), {shown}, tokenizer {template}")
+    print(f"run it with llama.cpp: llama-cli -m {out}   (Ollama: a Modelfile with the line FROM {out.resolve()})")
     return out

@@ -68,9 +68,9 @@ def packaged_gguf(model: str) -> Path:
     return path
 
 
-def check_gguf_installed() -> None:
+def check_gguf_installed(what: str = "model_name_or_path: reading a GGUF file") -> None:
     if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"model_name_or_path: reading a GGUF file needs the gguf package: {INSTALL_GGUF}")
+        raise ConfigError(f"{what} needs the gguf package: {INSTALL_GGUF}")
 
 
 def model_folder(name: str) -> Path:

@@ -128,14 +128,14 @@ def test_every_example_in_the_help_runs(tmp_path, capsys, hf_scale_cache):
 @pytest.mark.slow
 def test_chat_and_export_examples_run(trained_tiny_run, trained_tiny_lora_run, tmp_path, capsys, monkeypatch):
     """Each `hf-scale chat` / `hf-scale export` line of their helps, on trained tiny runs (full and LoRA): the chat
-    answers the held-out question right, the exports are whole model folders."""
+    answers the held-out question right, the exports are whole model folders (and a GGUF file)."""
     runs = {"outputs/tiny-cpu": str(trained_tiny_run), "outputs/llama2-7b-lora": str(trained_tiny_lora_run)}
     examples = [
         example
         for command in RUN_FOLDER_COMMANDS
         for example in re.findall(r"^  (hf-scale [^#\n]*?)\s*(?:#.*)?$", help_of(command, capsys), re.MULTILINE)
     ]
-    assert len(examples) == 4
+    assert len(examples) == 5
     for example in examples:
         words = shlex.split(example)[1:]
         words = [runs.get(word, str(tmp_path / word) if word.startswith("exported/") else word) for word in words]
@@ -147,6 +147,7 @@ def test_chat_and_export_examples_run(trained_tiny_run, trained_tiny_lora_run, t
     assert (tmp_path / "exported/tiny/model.safetensors").is_file()
     assert (tmp_path / "exported/llama2-7b-merged/model.safetensors").is_file()  # merged: no adapter left
     assert not (tmp_path / "exported/llama2-7b-merged/adapter_config.json").exists()
+    assert (tmp_path / "exported/llama2-7b-q8_0.gguf").read_bytes()[:4] == b"GGUF"
 
 
 def test_env_reports_versions_and_devices(capsys):

@@ -113,6 +113,9 @@ RUN_BY = {
     "hf-scale export outputs/tiny-cpu exported/tiny": "tests/test_cli.py::test_chat_and_export_examples_run",
     "hf-scale export outputs/llama2-7b-lora exported/llama2-7b-merged --merge-lora": "tests/test_cli.py::"
     "test_chat_and_export_examples_run",
+    "hf-scale export outputs/llama2-7b-lora exported/llama2-7b-q8_0.gguf --format gguf --gguf_type q8_0": "tests/"
+    "test_cli.py::test_chat_and_export_examples_run",
+    "make test-llama-cpp": "tests/test_gguf_export.py::test_llama_cpp_answers_held_out_prompts_as_the_run_does",
     "hf-scale report STUDY": "tests/hpo/test_units.py::test_report_command_reads_a_study_file",
     "hf-scale train --config smollm2_135m_lora_cpu": "tests/test_real_model.py::"
     "test_the_shipped_config_learns_with_evaluation_and_generation_metrics",

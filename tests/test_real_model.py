@@ -112,6 +112,69 @@ def test_the_merged_export_answers_as_the_adapter_model_does(smollm2_run, tmp_pa
         assert greedy(merged, tokenizer, question, 16) == greedy(model, tokenizer, question, 16), question
 
 
+def test_the_lora_run_exported_as_gguf_reads_back_with_the_merged_weights_and_the_adapter_models_answers(
+    smollm2_run, tmp_path, capsys
+):
+    """`--format gguf` f16 and q8_0 of the run, read back by transformers' GGUF loader: the weights are the merge's
+    (f16 rounding, q8_0 block error), the tokenizer is SmolLM2's byte-level BPE with its ChatML template. f16: the
+    greedy answers through it are the adapter model's. q8_0: teacher-forced on those answers, it picks the adapter
+    model's next token wherever that one leads its runner-up by more than 0.25 logits; at 135M parameters q8_0 moves
+    closer calls (measured: one of 77 positions flipped, where the lead was 0.09, and the answer went on differently
+    from there)."""
+    from hf_scale.export import merge_adapter
+    from tests.test_gguf_export import assert_weights_read_back, export_gguf, read_back
+
+    base = json.loads((smollm2_run / "adapter_config.json").read_text())["base_model_name_or_path"]
+    merged = merge_adapter(smollm2_run, base, "float32", None)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_run)
+    model = adapter_model(smollm2_run)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        for question in QUESTIONS
+    ]
+    with torch.no_grad():
+        answered = [model.generate(input_ids=ids, max_new_tokens=16, do_sample=False) for ids in prompts]
+        expected_logits = [
+            model(ids).logits[0, prompt.shape[1] - 1 : -1] for ids, prompt in zip(answered, prompts, strict=True)
+        ]
+    for gguf_type in ("f16", "q8_0"):
+        out = tmp_path / f"smollm2-{gguf_type}.gguf"
+        assert "LoRA merged into its base" in export_gguf(capsys, smollm2_run, out, gguf_type).stdout
+        read_model, read_tokenizer = read_back(out)
+        assert_weights_read_back(merged.state_dict(), read_model.state_dict(), gguf_type)
+        assert read_tokenizer.chat_template == tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+        for question, prompt, ids, expected in zip(QUESTIONS, prompts, answered, expected_logits, strict=True):
+            assert (
+                read_tokenizer.apply_chat_template(
+                    [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+                )["input_ids"].tolist()
+                == prompt.tolist()
+            )
+            with torch.no_grad():
+                if gguf_type == "f16":
+                    assert torch.equal(read_model.generate(input_ids=prompt, max_new_tokens=16, do_sample=False), ids)
+                    continue
+                logits = read_model(ids).logits[0, prompt.shape[1] - 1 : -1]
+            top_two = expected.topk(2, dim=-1).values
+            clear = top_two[:, 0] - top_two[:, 1] > 0.25
+            assert clear.sum() >= len(clear) // 2  # most positions are clear calls, so the check below has teeth
+            assert torch.equal(logits.argmax(-1)[clear], expected.argmax(-1)[clear]), question
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_answers_as_the_adapter_model_from_the_exported_gguf(smollm2_run, tmp_path, capsys):
+    from tests.test_gguf_export import assert_llama_cpp_answers_as_transformers, export_gguf
+
+    out = tmp_path / "smollm2-lora-f16.gguf"
+    export_gguf(capsys, smollm2_run, out, "f16")
+    with capsys.disabled():
+        questions = [*QUESTIONS, "Give one word that rhymes with cat.", "用一句话介绍长城。"]
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_run)
+        assert_llama_cpp_answers_as_transformers(out, adapter_model(smollm2_run), tokenizer, questions, 16)
+
+
 def test_a_run_killed_after_its_first_checkpoint_resumes_to_the_unbroken_adapters(smollm2_run, tmp_path, alpaca_sample):
     """SIGKILL once checkpoint-2 is complete (a fresh interpreter: the process a user's run is), then the same
     command: it resumes from checkpoint-2 and ends with the adapters of the run that was never killed."""
