@@ -31,9 +31,9 @@ def read_back(path: Path):
 
 
 def assert_weights_read_back(reference: dict[str, torch.Tensor], read: dict[str, torch.Tensor], gguf_type: str):
-    """f32, f16, bf16: every 2-D weight exactly as rounded to the type; q8_0: within half a quantization step of its block, the
-    step being the block's largest magnitude / 127, plus the f16 rounding of that step (stored in f16), times up to
-    127 (0.5 + 127 * 2**-11 = 0.562 steps); norms exact."""
+    """f32, f16, bf16: every 2-D weight exactly as rounded to the type; q8_0: within half a quantization step of its
+    block, the step being the block's largest magnitude / 127, plus the f16 rounding of that step (stored in f16),
+    times up to 127 (0.5 + 127 * 2**-11 = 0.562 steps); norms exact."""
     assert set(read) == set(reference)
     largest_error = 0.0
     for name, expected in reference.items():
