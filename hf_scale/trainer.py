@@ -257,7 +257,7 @@ class ScaleTrainer(Trainer):
             if self.args.packed_sdpa:
                 base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
                 use_packed_sdpa(base)
-        result = super().compute_loss(model, inputs, *args, **kwargs)
+        result = self.compute_batch_loss(model, inputs, *args, **kwargs)
         if not model.training or self.args.divergence_action == "off":
             return result
         loss = result[0] if isinstance(result, tuple) else result
@@ -272,6 +272,11 @@ class ScaleTrainer(Trainer):
             zero = sum((p * 0).sum() for p in model.parameters() if p.requires_grad)
             return (zero, *result[1:]) if isinstance(result, tuple) else zero
         return result
+
+    def compute_batch_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        """The loss of one micro-batch (Trainer's `compute_loss`); a subclass with a loss of its own overrides this,
+        and `compute_loss` still guards the step (divergence) around it."""
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     def _add_to_step_loss(self, loss: torch.Tensor, num_items_in_batch: Any) -> None:
         """Add a micro-batch's share of its step's per-token loss, on its device (no host sync)."""

@@ -23,6 +23,9 @@ PUBLIC_API = [
     "hf_scale.modeling:load_tokenizer",
     "hf_scale.modeling:load_model",
     "hf_scale.checkpoints:last_complete_checkpoint",
+    "hf_scale.preference.trainer:PreferenceTrainer",
+    "hf_scale.preference.arguments:ScalePreferenceArguments",
+    "hf_scale.preference.data:tokenize_preferences",
 ]
 
 

@@ -99,3 +99,24 @@ def generate_conversation_tasks() -> tuple[list[list[dict[str, str]]], list[list
     random.Random(TASK_SEED + 3).shuffle(train)
     random.Random(TASK_SEED + 4).shuffle(held_out)
     return train, held_out
+
+
+def generate_preference_tasks() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Return (train pairs, held-out pairs) in LLaMA-Factory's ranking Alpaca form (`instruction`, `input`, `chosen`,
+    `rejected`): the tasks of `generate_tasks`, chosen the right answer, rejected a wrong one (the number itself, the
+    opposite task's answer, or two off), drawn at a fixed seed. Held-out pairs use only held-out numbers."""
+    pairs = []
+    for records, seed in zip(generate_tasks(), (TASK_SEED + 5, TASK_SEED + 6), strict=True):
+        draw = random.Random(seed)
+        split = []
+        for record in records:
+            n = int(record["input"] or "".join(char for char in record["instruction"] if char.isdigit()))
+            right = int(record["output"])
+            wrong = draw.choice([n, 2 * n - right, right + (right - n)])  # itself, the opposite task's, two off
+            if wrong not in NUMBER_RANGE:
+                wrong = n
+            split.append(
+                {**{k: record[k] for k in ("instruction", "input")}, "chosen": str(right), "rejected": str(wrong)}
+            )
+        pairs.append(split)
+    return pairs[0], pairs[1]
