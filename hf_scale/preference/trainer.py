@@ -10,6 +10,7 @@ import torch
 from datasets import Dataset
 from torch import nn
 from torch.utils.data import DataLoader
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from hf_scale.errors import ConfigError
 from hf_scale.preference.arguments import REFERENCE_FREE_LOSSES, ScalePreferenceArguments
@@ -82,6 +83,12 @@ class PreferenceTrainer(ScaleTrainer):
             pad = pad if pad is not None else getattr(processing_class, "eos_token_id", 0)
             data_collator = PreferenceCollator(pad_token_id=pad)
         args = args or ScalePreferenceArguments(output_dir="preference-run")
+        if args.deepspeed and is_deepspeed_zero3_enabled():
+            # The reference forward (and the precomputed pass, here before any step) would run on partitioned
+            # weights; gathering them as TRL's inference engine does is not built yet.
+            raise ConfigError(
+                "PreferenceTrainer does not run under ZeRO-3 yet: use zero_preset zero2 (or zero2_offload)"
+            )
         super().__init__(
             model=model, args=args, data_collator=data_collator, processing_class=processing_class, **kwargs
         )

@@ -29,9 +29,11 @@ def pairs_dataset(tokenizer, pairs):
     return dataset
 
 
-def trainer_for(run, tmp_path, lora_r=0, reference="auto", loss_type="sigmoid", train=64, held_out=64, **options):
+def trainer_for(
+    run, tmp_path, lora_r=0, reference="auto", loss_type="sigmoid", train=64, held_out=64, quantization=None, **options
+):
     tokenizer = AutoTokenizer.from_pretrained(run)
-    model = load_model(ModelArguments(lora_r=lora_r), str(run), tokenizer)
+    model = load_model(ModelArguments(lora_r=lora_r, quantization=quantization), str(run), tokenizer)
     train_pairs, held_out_pairs = generate_preference_tasks()
     ref_model = AutoModelForCausalLM.from_pretrained(run) if reference == "model" else None
     args = ScalePreferenceArguments(
@@ -57,13 +59,21 @@ def trainer_for(run, tmp_path, lora_r=0, reference="auto", loss_type="sigmoid", 
 
 
 @pytest.mark.parametrize(
-    ("lora_r", "reference", "expected_mode"),
-    [(0, "auto", "precomputed"), (0, "model", "model"), (8, "auto", "adapters_off"), (8, "precomputed", "precomputed")],
+    ("lora_r", "quantization", "reference", "expected_mode"),
+    [
+        (0, None, "auto", "precomputed"),
+        (0, None, "model", "model"),
+        (8, None, "auto", "adapters_off"),
+        (8, None, "precomputed", "precomputed"),
+        (8, "nf4", "auto", "adapters_off"),
+        (8, "nf4", "precomputed", "precomputed"),
+    ],
 )
 def test_the_sigmoid_loss_is_ln_2_at_step_0_with_every_reference(
-    trained_tiny_run, tmp_path, lora_r, reference, expected_mode
+    trained_tiny_run, tmp_path, lora_r, quantization, reference, expected_mode
 ):
-    trainer = trainer_for(trained_tiny_run, tmp_path, lora_r=lora_r, reference=reference, max_steps=1)
+    """Full, LoRA and QLoRA (NF4 base), one process: the policy is its reference at the start."""
+    trainer = trainer_for(trained_tiny_run, tmp_path, lora_r, reference, quantization=quantization, max_steps=1)
     assert trainer.reference == expected_mode
     metrics = trainer.evaluate()
     assert abs(metrics["eval_loss"] - math.log(2)) < 1e-5, metrics

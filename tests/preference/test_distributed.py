@@ -1,0 +1,67 @@
+"""Preference tuning on 2 real processes (torchrun, gloo; DDP and ZeRO-2) trains what one process with accumulation 2
+trains: the same 4 pairs per optimizer step, the loss at every step and the trained weights within 1e-5 (fp32).
+ZeRO-3 is not covered yet (its reference needs the partitioned model gathered)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers import assert_succeeded, run_command, torchrun
+
+WORKER = "tests/preference/preference_worker.py"
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-5
+
+
+def run(folder, processes: int, *flags: str):
+    common = ["--output_dir", str(folder), "--max_steps", "4", "--logging_steps", "1", "--learning_rate", "1e-3"]
+    common += ["--warmup_steps", "0", "--report_to", "none", "--save_strategy", "no", "--use_cpu", "true"]
+    accumulation = 2 // processes
+    common += ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", str(accumulation)]
+    return run_command(torchrun(WORKER, *common, *flags, processes=processes), timeout=400)
+
+
+def launch(folder, processes: int, *flags: str) -> tuple[list[float], dict]:
+    result = run(folder, processes, *flags)
+    assert_succeeded(result, result.stdout[-2000:] + result.stderr[-4000:])
+    report = json.loads((folder / "losses.json").read_text())
+    return report, load_file(folder / "trained.safetensors")
+
+
+FULL = ["--reference", "precomputed"]
+LORA = ["--lora_r", "8", "--lora_dropout", "0"]  # no dropout: each process would draw its own masks
+
+
+@pytest.mark.parametrize(
+    ("flags", "strategy", "reference"),
+    [
+        (FULL, "ddp", "precomputed"),
+        (LORA, "ddp", "adapters_off"),
+        (FULL, "zero2", "precomputed"),
+        (LORA, "zero2", "adapters_off"),
+    ],
+    ids=["full-ddp", "lora-ddp", "full-zero2", "lora-zero2"],
+)
+def test_two_processes_train_as_one_with_accumulation_2(tmp_path, tiny_model_dir, flags, strategy, reference):
+    """2 processes (DDP, or ZeRO-2) against the plain single process with accumulation 2."""
+    one, one_weights = launch(tmp_path / "one", 1, *flags)
+    zero = [] if strategy == "ddp" else ["--zero_preset", strategy]
+    two, two_weights = launch(tmp_path / "two", 2, *flags, *zero)
+    assert one["reference"] == two["reference"] == reference
+    assert len(one["losses"]) == len(two["losses"]) == 4
+    assert abs(one["losses"][0] - 0.6931) < 1e-3  # ln 2 at the first step: the policy is its reference
+    gap = max(abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True))
+    assert gap <= TOLERANCE, (one["losses"], two["losses"])
+    assert one_weights.keys() == two_weights.keys() and one_weights
+    gaps = {key: (one_weights[key] - two_weights[key]).abs().max().item() for key in one_weights}
+    assert max(gaps.values()) <= TOLERANCE, sorted(gaps.items(), key=lambda item: -item[1])[:3]
+
+
+def test_zero3_is_refused_with_what_to_use_before_any_step(tmp_path, tiny_model_dir):
+    result = run(tmp_path, 2, "--zero_preset", "zero3")
+    assert result.returncode != 0
+    assert "PreferenceTrainer does not run under ZeRO-3 yet: use zero_preset zero2" in result.stderr
+    assert not (tmp_path / "losses.json").exists()
