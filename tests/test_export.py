@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_scale.cli import main
-from hf_scale.export import CARD_EXAMPLE_MESSAGE, export_run
+from hf_scale.export import export_run
+from hf_scale.model_card import CARD_EXAMPLE_MESSAGE
 from hf_scale.tiny import generate_tasks
 from tests.helpers import assert_same_weights, assert_succeeded, run_cli, run_command, torchrun
 
