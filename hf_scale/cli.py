@@ -1,7 +1,7 @@
 """The `hf-scale` command: `plan` (memory per strategy and a recommendation), `presets` (list, show), `train` (the
-fine-tuning recipe), `search` (the hyperparameter search recipe), `recipes` (the shipped configs; copy a recipe out),
-`report` (a search's trials table and plots), `env` (versions, devices, DeepSpeed ops), `chat` (talk to a trained
-run) and `export` (a plain HF folder from a run, LoRA merged)."""
+fine-tuning recipe), `dpo` (preference tuning after it), `search` (the hyperparameter search recipe), `recipes` (the
+shipped configs; copy a recipe out), `report` (a search's trials table and plots), `env` (versions, devices,
+DeepSpeed ops), `chat` (talk to a trained run) and `export` (a plain HF folder from a run, LoRA merged)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,13 @@ TRAIN_EXAMPLES = """examples:
   accelerate launch --config_file 1node_4gpu.yaml -m hf_scale.cli train --config llama2_7b_4xa100_zero1
 """
 
+DPO_EXAMPLES = """examples:
+  hf-scale dpo --max_steps 20                      # the embedded tiny default (after hf-scale train), on any CPU
+  hf-scale dpo --loss_type simpo --beta 2.0 --max_steps 20
+  on GPU nodes, on every process (see README.md "Preference tuning after SFT"):
+  accelerate launch --config_file 1node_4gpu.yaml -m hf_scale.cli dpo --config llama2_7b_4xa100_zero3_dpo
+"""
+
 SEARCH_EXAMPLES = """examples:
   hf-scale search --n_trials 2 --max_steps 20      # the embedded tiny default, on any CPU
   on GPU nodes, on every process (see README.md "Hyperparameter search"):
@@ -69,7 +76,7 @@ RECIPES_EXAMPLES = """examples:
 """
 
 # `hf-scale recipes copy NAME`: the recipe files in hf_scale/recipes/.
-RECIPE_FILES = {"finetune": "finetune_llama2.py", "search": "search_llama2.py"}
+RECIPE_FILES = {"finetune": "finetune_llama2.py", "dpo": "dpo_llama2.py", "search": "search_llama2.py"}
 
 
 def _gib(value: float) -> str:
@@ -160,7 +167,7 @@ def env_command(options: argparse.Namespace) -> None:
 
 
 def recipe_command(options: argparse.Namespace) -> None:
-    """`train` and `search`: the recipe `options.recipe` (a key of RECIPE_FILES) with the flags given."""
+    """`train`, `dpo` and `search`: the recipe `options.recipe` (a key of RECIPE_FILES) with the flags given."""
     if "-h" in options.recipe_args or "--help" in options.recipe_args:
         print(options.examples)  # then the recipe's own help: how to launch it and every flag
     recipe = importlib.import_module(f"hf_scale.recipes.{RECIPE_FILES[options.recipe].removesuffix('.py')}")
@@ -284,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         recipe_parser.set_defaults(run=recipe_command, recipe=recipe, examples=examples)
 
     add_recipe_command("train", "finetune", "fine-tune", TRAIN_EXAMPLES)
+    add_recipe_command("dpo", "dpo", "preference-tune after fine-tuning: DPO, IPO, hinge, SimPO, ORPO", DPO_EXAMPLES)
 
     env_parser = commands.add_parser(
         "env", help="versions, devices, DeepSpeed ops and what is missing", epilog=ENV_EXAMPLES
@@ -297,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "recipes", help="the shipped configs (for --config NAME); copy a recipe out to edit", epilog=RECIPES_EXAMPLES
     )
     recipes_parser.add_argument("action", choices=["list", "copy"])
-    recipes_parser.add_argument("recipe", nargs="?", help="for copy: finetune or search")
+    recipes_parser.add_argument("recipe", nargs="?", help="for copy: finetune, dpo or search")
     recipes_parser.add_argument("destination", nargs="?", help="for copy: the new file")
     recipes_parser.set_defaults(run=recipes_command)
 

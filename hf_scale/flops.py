@@ -22,6 +22,10 @@ left out: when nothing before the first layer trains (embedding frozen) autograd
 layer's input (q/k/v, and of K in its QK^T): under 1 % of a 7B LoRA step, and not skipped at all with gradient
 checkpointing, which makes the embedding output require a gradient.
 
+Preference tuning with a reference that runs at every step (a second model, or the policy with its adapters off)
+adds that forward: 2N + a third of the attention term per token (`reference_forward`). A reference precomputed
+once costs nothing per step and is not counted.
+
 These are MODEL FLOPs: gradient checkpointing recomputes the forward (2N more per token of hardware work) but
 does not count here, so MFU stays comparable across runs with and without it.
 """
@@ -56,14 +60,20 @@ def attention_flops_per_token(config: Any, seq_len: float) -> float:
     return 12.0 * config.num_hidden_layers * seq_len * config.num_attention_heads * head_dim(config)
 
 
-def training_flops_per_token(config: Any, seq_len: float, frozen: int = 0, adapters: int = 0) -> float:
+def training_flops_per_token(
+    config: Any, seq_len: float, frozen: int = 0, adapters: int = 0, reference_forward: bool = False
+) -> float:
     """Forward + backward FLOPs per token of a sequence of `seq_len` tokens: 6 x matmul weights + attention,
-    less 2 x the `frozen` matmul weights (no weight gradient), plus 6 x the `adapters`' weights (LoRA A and B).
+    less 2 x the `frozen` matmul weights (no weight gradient), plus 6 x the `adapters`' weights (LoRA A and B);
+    with `reference_forward`, plus one forward of the model without its adapters (a preference reference).
 
     Full fine-tuning: frozen = adapters = 0. Count them with `frozen_matmul_parameters` and `adapter_parameters`."""
     weights = matmul_parameters(config) + adapters
     # every weight: 2 forward + 2 for its input's gradient; only a trained weight: 2 more for its own gradient
-    return 6.0 * weights - 2.0 * frozen + attention_flops_per_token(config, seq_len)
+    flops = 6.0 * weights - 2.0 * frozen + attention_flops_per_token(config, seq_len)
+    if reference_forward:
+        flops += 2.0 * matmul_parameters(config) + attention_flops_per_token(config, seq_len) / 3
+    return flops
 
 
 def _linear_weights(linear: nn.Linear) -> int:

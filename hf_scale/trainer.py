@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -170,11 +171,14 @@ class ScaleTrainer(Trainer):
             )
         self.accelerator.wait_for_everyone()
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        # The stock evaluation_loop prepares the model itself only when nothing is prepared yet (before train()).
-        # Only that preparation is undone afterwards: undoing the training's own would make every later evaluation
-        # prepare again, and in one process with bf16 each preparation wraps `forward` once more (RecursionError
-        # after a few hundred evaluations).
+    @contextmanager
+    def evaluation_preparation(self):
+        """Around an evaluation or a prediction: undo afterwards what it prepared itself (before train()).
+
+        The stock evaluation_loop prepares the model itself only when nothing is prepared yet (before train()).
+        Only that preparation is undone afterwards: undoing the training's own would make every later evaluation
+        prepare again, and in one process with bf16 each preparation wraps `forward` once more (RecursionError
+        after a few hundred evaluations)."""
         prepared_here = not self.accelerator._models and self.model_wrapped is self.model
         zero12_before_train = self.is_deepspeed_enabled and self.deepspeed is None and not is_deepspeed_zero3_enabled()
         if zero12_before_train:
@@ -182,14 +186,22 @@ class ScaleTrainer(Trainer):
             # ZeRO Stage 3"). Under those stages every rank holds the whole model: evaluate it as DDP would.
             self.is_deepspeed_enabled = False
         try:
-            metrics = super().evaluate(*args, **kwargs)
+            yield
         finally:
             self.is_deepspeed_enabled = self.is_deepspeed_enabled or zero12_before_train
             if prepared_here:
                 self._forget_evaluation_preparation()
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        with self.evaluation_preparation():
+            metrics = super().evaluate(*args, **kwargs)
         if not args and kwargs.get("eval_dataset") is None:
             self._last_evaluation = (self.state.global_step, kwargs.get("metric_key_prefix", "eval"), metrics)
         return metrics
+
+    def predict(self, *args: Any, **kwargs: Any):
+        with self.evaluation_preparation():
+            return super().predict(*args, **kwargs)
 
     def evaluate_trained(self, metric_key_prefix: str = "eval") -> dict[str, float]:
         """`evaluate()` of the weights training ended with, under `metric_key_prefix`. When training's own last

@@ -76,7 +76,19 @@ def test_help_has_examples(capsys):
     assert "hf-scale plan --model meta-llama/Llama-2-7b-hf --gpu a100-80g --gpus 4" in capsys.readouterr().out
 
 
-HELPS = [[], ["plan"], ["presets"], ["train"], ["env"], ["search"], ["recipes"], ["report"], ["chat"], ["export"]]
+HELPS = [
+    [],
+    ["plan"],
+    ["presets"],
+    ["train"],
+    ["dpo"],
+    ["env"],
+    ["search"],
+    ["recipes"],
+    ["report"],
+    ["chat"],
+    ["export"],
+]
 RUN_FOLDER_COMMANDS = (["chat"], ["export"])  # their examples need a trained run: test_chat_and_export_examples_run
 
 
@@ -92,7 +104,7 @@ def test_every_help_shows_examples(command, capsys):
     out = help_of(command, capsys)
     assert "usage:" in out and "examples:" in out
     assert re.search(rf"^  hf-scale {' '.join(command)}", out, re.MULTILINE), out
-    if command in (["train"], ["search"]):  # then the recipe's own help: how to launch it, and every flag
+    if command in (["train"], ["dpo"], ["search"]):  # then the recipe's own help: how to launch it, and every flag
         assert "accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml" in out and "--learning_rate" in out
 
 
@@ -110,17 +122,20 @@ def test_every_example_in_the_help_runs(tmp_path, capsys, hf_scale_cache):
     study_file = "outputs/search-tiny-cpu/optuna_study.db"
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna_study.db'}", study_name="hf_scale")
     study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=3)
-    for example in dict.fromkeys(examples):
+    for number, example in enumerate(dict.fromkeys(examples)):
         words = example.replace(study_file, str(tmp_path / "optuna_study.db")).split()[1:]
         words = [str(tmp_path / "report") if word.startswith("outputs/") else word for word in words]
         if words[0] in ("train", "search"):
             words += ["--output_dir", str(tmp_path / words[0])]
+        if words[0] == "dpo":  # after the SFT default, which the train example has just run
+            words += ["--output_dir", str(tmp_path / f"dpo-{number}")]
+            words += ["--model_name_or_path", str(tmp_path / "train"), "--exact_match_samples", "0"]
         if words[:2] == ["recipes", "copy"]:
             words[-1] = str(tmp_path / words[-1])
         assert main(words) == 0, example
         capsys.readouterr()
     commands = {example.split()[1] for example in examples}
-    assert commands == {"plan", "presets", "train", "env", "search", "recipes", "report"}
+    assert commands == {"plan", "presets", "train", "dpo", "env", "search", "recipes", "report"}
     assert (tmp_path / "train" / "model.safetensors").is_file() and (tmp_path / "search" / "best_run.json").is_file()
     assert (tmp_path / "report" / "trials.csv").is_file()
 

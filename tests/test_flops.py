@@ -183,3 +183,18 @@ def test_adapters_that_do_not_run_are_not_counted(tiny_model_dir):
     assert frozen_matmul_parameters(model) == TINY_MATMUL
     with model.disable_adapter():
         assert adapter_parameters(model) == 0
+
+
+def test_a_preference_reference_forward_adds_what_torch_counts_for_one_forward(tiny):
+    """The reference's no-grad forward at every step (adapters off, or a second model): counted by FlopCounterMode."""
+    tokenizer, model = tiny
+    seq_len = 256
+    batch = {"input_ids": torch.randint(0, len(tokenizer), (2, seq_len))}
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(**batch)
+    forward = counter.get_total_flops() / batch["input_ids"].numel()
+    added = training_flops_per_token(model.config, seq_len, reference_forward=True) - training_flops_per_token(
+        model.config, seq_len
+    )
+    assert added == pytest.approx(forward, rel=0.10)

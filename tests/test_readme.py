@@ -54,6 +54,12 @@ def test_hf_scale_commands_print_what_the_readme_shows(capsys):
 # with a shortened config). A command added to the README without an entry here fails
 # test_every_readme_command_is_run_by_a_test, so the README cannot drift from the code.
 RUN_BY = {
+    "hf-scale train && hf-scale dpo": "tests/test_cli.py::test_every_example_in_the_help_runs",
+    "hf-scale dpo": "tests/test_cli.py::test_every_example_in_the_help_runs",
+    "hf-scale train": "tests/test_package.py::test_hf_scale_train_and_search_from_an_empty_folder",
+    "accelerate launch --config_file recipes/accelerate/1node_4gpu.yaml -m hf_scale.cli dpo --config "
+    "llama2_7b_4xa100_zero3_dpo --model_name_or_path outputs/my-sft --dataset pairs.jsonl": "tests/recipes/"
+    "test_dpo_llama2.py::test_zero3_config_killed_and_resumed_ends_with_the_unbroken_weights_and_its_reference_read_back",
     "make demo": "tests/recipes/test_finetune_llama2.py::"
     "test_recipe_learns_the_held_out_task_and_saves_a_loadable_model",
     "make test": ".ci/run",  # CI runs it on a clean clone
@@ -158,7 +164,7 @@ def launch_lines() -> list[str]:
 
 def other_launchers() -> list[str]:
     """The launch lines that are not a config header's own (those run in tests/recipes/test_configs_as_shipped.py)."""
-    headers = {header_launch_line(path) for path in SHIPPED_CONFIGS.glob("*.yaml") if not path.stem.endswith("_cpu")}
+    headers = {header_launch_line(path) for path in SHIPPED_CONFIGS.glob("*.yaml") if "_cpu" not in path.stem}
     return [command for command in launch_lines() if command not in headers]
 
 

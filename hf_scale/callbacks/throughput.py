@@ -116,6 +116,7 @@ class ThroughputCallback(TrainerCallback):
         self.tensor_parallel_size = 1  # from the training arguments at on_train_begin
         self.frozen_matmul_parameters = 0  # from the trained model at on_train_begin, as are the adapters
         self.adapter_parameters = 0
+        self.reference_forward = False  # a preference reference's forward at every step (PreferenceTrainer sets it)
         self._window_start = time.perf_counter()
         self._warned_no_batches = False
 
@@ -177,6 +178,7 @@ class ThroughputCallback(TrainerCallback):
             effective_seq_len(tokens, squared_lengths),
             frozen=self.frozen_matmul_parameters,
             adapters=self.adapter_parameters,
+            reference_forward=self.reference_forward,
         )
         tokens_per_second = tokens / elapsed
         logs[TOKENS_PER_SECOND] = tokens_per_second

@@ -17,7 +17,7 @@ from hf_scale.errors import ConfigError
 DIRECTIONS = ("minimize", "maximize")
 # Metric names whose meaning fixes the direction; any other name leaves it to the caller.
 LOWER_IS_BETTER = ("loss", "perplexity", "ppl", "error", "wer", "cer")
-HIGHER_IS_BETTER = ("accuracy", "exact_match", "f1", "bleu", "rouge", "precision", "recall", "auc")
+HIGHER_IS_BETTER = ("accuracy", "accuracies", "exact_match", "f1", "bleu", "rouge", "precision", "recall", "auc")
 
 Objective = Callable[[dict[str, float]], float]
 

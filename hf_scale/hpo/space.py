@@ -79,6 +79,45 @@ def default_hp_space(
     return hp_space
 
 
+# Preference-tuning values that change the scale of the loss itself: trials that differ in them cannot be ranked by it.
+LOSS_SCALE_KEYS = ("beta", "loss_type", "label_smoothing", "simpo_gamma", "sft_weight")
+PREFERENCE_LEARNING_RATE = (5e-7, 5e-5)
+PREFERENCE_BETA = (0.01, 0.5)
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "hinge")
+
+
+def preference_hp_space(
+    learning_rate: tuple[float, float] = PREFERENCE_LEARNING_RATE,
+    beta: tuple[float, float] = PREFERENCE_BETA,
+    loss_types: tuple[str, ...] = PREFERENCE_LOSSES,
+) -> Callable[[Any], dict[str, Any]]:
+    """The default search space of preference tuning, as an `hp_space(trial) -> dict` function: the learning rate
+    and beta on a log scale, and the loss among those that share a reference (sigmoid, IPO, hinge)."""
+
+    def hp_space(trial: Any) -> dict[str, Any]:
+        return {
+            "learning_rate": trial.suggest_float("learning_rate", *learning_rate, log=True),
+            "beta": trial.suggest_float("beta", *beta, log=True),
+            "loss_type": trial.suggest_categorical("loss_type", list(loss_types)),
+        }
+
+    return hp_space
+
+
+def loss_scale_keys(hp_space: Callable[[Any], dict[str, Any]]) -> list[str]:
+    """The keys of LOSS_SCALE_KEYS that `hp_space` sets, read from one sample of it in a throwaway in-memory study
+    (on every rank alike: nothing is stored or broadcast)."""
+    import optuna
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created in memory" on every rank
+    try:
+        study = optuna.create_study()
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    return [key for key in hp_space(study.ask()) if key in LOSS_SCALE_KEYS]
+
+
 def split_hyperparameters(params: dict[str, Any], args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(TrainingArguments updates, LoRA updates) from a trial's values; an unknown key is a ConfigError.
 

@@ -97,3 +97,52 @@ class ScalePreferenceArguments(ScaleTrainingArguments):
                 "remove_unused_columns: must be False for preference pairs (their columns are not "
                 "the model's arguments)"
             )
+
+
+@dataclass
+class PreferenceDataArguments:
+    """Where the preference pairs come from and how they are written (YAML keys and flags of the same names)."""
+
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "A .json (list) or .jsonl file of pairs: TRL's prompt/chosen/rejected (text or messages), "
+            "LLaMA-Factory's ranking forms (instruction/input/chosen/rejected; conversations/chosen/rejected). "
+            "Empty: generated pairs for the embedded tiny model (chosen the right answer, rejected a wrong one)."
+        },
+    )
+    eval_dataset: str | None = field(
+        default=None, metadata={"help": "Held-out pairs; by default eval_ratio of dataset is held out."}
+    )
+    eval_ratio: float = field(default=0.05, metadata={"help": "Share of dataset held out when eval_dataset is empty."})
+    template: str = field(
+        default="alpaca",
+        metadata={
+            "help": "How a pair's prompt and answers are written, as in SFT: alpaca, alpaca_zh, llama2_chat or a JSON "
+            "user template write Alpaca-form pairs exactly as SFT wrote its records; conversations, and every pair "
+            "under chat_template (the tokenizer's own), go through the chat template of that name."
+        },
+    )
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "System prompt for llama2_chat and chat_template."}
+    )
+    max_length: int = field(default=512, metadata={"help": "Longest prompt + answer in tokens."})
+    truncation: str = field(
+        default="keep_prompt",
+        metadata={
+            "help": "Over-long halves: keep_prompt (cut the end of the answer), cut_prompt_left or drop. Every cut "
+            "or dropped pair is counted.",
+            "choices": ("keep_prompt", "cut_prompt_left", "drop"),
+        },
+    )
+    exact_match_samples: int = field(
+        default=0,
+        metadata={"help": "Held-out prompts answered greedily at each evaluation (eval_exact_match against chosen)."},
+    )
+    max_new_tokens: int = field(default=32, metadata={"help": "Longest generated answer when scoring exact match."})
+
+    def __post_init__(self):
+        if not 0 < self.eval_ratio < 1:
+            raise ConfigError(f"eval_ratio: must be in (0, 1), got {self.eval_ratio}")
+        if self.max_length < 8:
+            raise ConfigError(f"max_length: must be at least 8, got {self.max_length}")

@@ -21,17 +21,20 @@ Forms read (one record each):
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from hf_scale.data.multiturn import Turn, tokenize_conversations
-from hf_scale.data.templates import PromptTemplate
+from hf_scale.data.multiturn import Turn, chat_template_for, render_all, tokenize_conversations
+from hf_scale.data.templates import CHAT_TEMPLATE, TEMPLATES, PromptTemplate, get_template
 from hf_scale.data.tokenize import IGNORE_INDEX, Truncation, tokenize_records
 from hf_scale.errors import DataError
+from hf_scale.tiny.tasks import generate_preference_tasks
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
@@ -280,3 +283,78 @@ def tokenize_preferences(
     result.chosen_cut, result.rejected_cut = halves["chosen"][3], halves["rejected"][3]
     result.chosen_shortened, result.rejected_shortened = halves["chosen"][4], halves["rejected"][4]
     return Dataset.from_dict(columns), result
+
+
+@dataclass
+class PreparedPairs:
+    """A recipe's pairs as examples: train and held-out sets, what became of each pair, and the held-out prompts
+    generation answers (Alpaca records, or `prompt_ids` with the chosen answer as `output`)."""
+
+    train_dataset: Dataset
+    eval_dataset: Dataset
+    train_summary: PreferenceSummary
+    eval_summary: PreferenceSummary
+    template: str | PromptTemplate
+    generation_records: list[dict[str, Any]]
+
+
+def pairs_template(
+    name: str, system_prompt: str | None, tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair]
+) -> str | PromptTemplate:
+    """The one-turn template `name` when every pair is an Alpaca record and the template writes one-turn records
+    (as SFT wrote them), else the chat template `name` renders conversations with."""
+    one_turn = name != CHAT_TEMPLATE and (name in TEMPLATES or name.lstrip().startswith("{"))
+    if one_turn and all(pair.record is not None for pair in pairs):
+        return get_template(name, system_prompt, tokenizer)
+    return chat_template_for(name, tokenizer)
+
+
+def prepare_pairs(
+    dataset: str | None,
+    eval_dataset: str | None,
+    eval_ratio: float,
+    template_name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    truncation: Truncation = "keep_prompt",
+    system_prompt: str | None = None,
+    exact_match_samples: int = 0,
+    seed: int = 42,
+) -> PreparedPairs:
+    """Pairs read (or the generated ones when `dataset` is None), `eval_ratio` held out unless `eval_dataset` is given,
+    tokenized with exact masks; every pair is checked before any is tokenized."""
+    if dataset is None:
+        train_records, held_out_records = generate_preference_tasks()
+        train = [preference_pair(record, f"generated pair {n}") for n, record in enumerate(train_records)]
+        held_out = [
+            preference_pair(record, f"generated held-out pair {n}") for n, record in enumerate(held_out_records)
+        ]
+    else:
+        train = load_preference_pairs(dataset)
+        if eval_dataset is not None:
+            held_out = load_preference_pairs(eval_dataset)
+        else:
+            order = list(range(len(train)))
+            random.Random(seed).shuffle(order)
+            n_eval = max(1, round(len(train) * eval_ratio))
+            if n_eval >= len(train):
+                raise DataError(f"{dataset}: {len(train)} pair(s) are too few to hold out {eval_ratio:.0%}")
+            train, held_out = [train[i] for i in order[n_eval:]], [train[i] for i in order[:n_eval]]
+    template = pairs_template(template_name, system_prompt, tokenizer, train + held_out)
+    train_dataset, train_summary = tokenize_preferences(
+        train, tokenizer, template, max_length, truncation, system_prompt
+    )
+    eval_dataset_, eval_summary = tokenize_preferences(
+        held_out, tokenizer, template, max_length, truncation, system_prompt
+    )
+    samples = held_out[:exact_match_samples]
+    if isinstance(template, PromptTemplate):
+        records = [{**pair.record, "output": pair.chosen} for pair in samples]
+    else:
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        prompts = [pair.prompt if pair.prompt[0]["role"] == "system" else system + pair.prompt for pair in samples]
+        records = [
+            {"prompt_ids": tokenizer(text, add_special_tokens=False)["input_ids"], "output": pair.chosen}
+            for pair, text in zip(samples, render_all(tokenizer, template, prompts, True), strict=True)
+        ]
+    return PreparedPairs(train_dataset, eval_dataset_, train_summary, eval_summary, template, records)

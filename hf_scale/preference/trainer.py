@@ -3,19 +3,31 @@ QLoRA, the divergence guard, throughput logging, early stopping and the search s
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
+from accelerate.utils import gather_object
 from datasets import Dataset
 from torch import nn
-from torch.utils.data import DataLoader
 from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.trainer_utils import BestRun
 
 from hf_scale.errors import ConfigError
 from hf_scale.preference.arguments import REFERENCE_FREE_LOSSES, ScalePreferenceArguments
 from hf_scale.preference.collator import PreferenceCollator
 from hf_scale.preference.losses import preference_losses, sequence_logps
+from hf_scale.preference.reference import (
+    cached_reference,
+    keep_reference_logps,
+    pairs_digest,
+    read_reference_logps,
+    reference_key,
+    weights_digest,
+)
 from hf_scale.trainer import ScaleTrainer
 
 # The metrics logged, under TRL's names: means over the pairs since the last log (eval: over the evaluation).
@@ -35,16 +47,27 @@ def is_peft_model(model: nn.Module) -> bool:
 
 def reference_mode(requested: str, loss_type: str, peft: bool, ref_model: nn.Module | None) -> str:
     """The reference the run uses (`ScalePreferenceArguments.reference`), checked against the model given."""
+    zero3 = is_deepspeed_zero3_enabled()
     if requested == "auto":
         if loss_type in REFERENCE_FREE_LOSSES:
             return "none"
-        return "model" if ref_model is not None else "adapters_off" if peft else "precomputed"
+        if ref_model is not None:
+            requested = "model"
+        else:
+            # Under ZeRO-3 a forward outside the training engine would meet partitioned weights: the reference is
+            # computed once, through the engine, before the first step.
+            return "adapters_off" if peft and not zero3 else "precomputed"
     if requested == "model" and ref_model is None:
         raise ConfigError("reference: model needs a reference model: PreferenceTrainer(ref_model=...)")
     if requested != "model" and ref_model is not None:
         raise ConfigError(f"reference: {requested}, but a ref_model was given: set reference model (or auto)")
     if requested == "adapters_off" and not peft:
         raise ConfigError("reference: adapters_off needs a model with LoRA adapters (lora_r > 0)")
+    if zero3 and requested in ("model", "adapters_off"):
+        raise ConfigError(
+            f"reference: {requested} does not run under ZeRO-3 (its forward would meet partitioned weights): use "
+            "reference precomputed (or auto), computed once through the training engine"
+        )
     return requested
 
 
@@ -83,49 +106,101 @@ class PreferenceTrainer(ScaleTrainer):
             pad = pad if pad is not None else getattr(processing_class, "eos_token_id", 0)
             data_collator = PreferenceCollator(pad_token_id=pad)
         args = args or ScalePreferenceArguments(output_dir="preference-run")
-        if args.deepspeed and is_deepspeed_zero3_enabled():
-            # The reference forward (and the precomputed pass, here before any step) would run on partitioned
-            # weights; gathering them as TRL's inference engine does is not built yet.
-            raise ConfigError(
-                "PreferenceTrainer does not run under ZeRO-3 yet: use zero_preset zero2 (or zero2_offload)"
-            )
         super().__init__(
             model=model, args=args, data_collator=data_collator, processing_class=processing_class, **kwargs
         )
-        self.reference = reference_mode(args.reference, args.loss_type, is_peft_model(self.model), ref_model)
         self.ref_model = None
         if ref_model is not None:
             self.ref_model = ref_model.to(self.args.device).eval().requires_grad_(False)
+        reference_mode(args.reference, args.loss_type, is_peft_model(self.model), ref_model)  # a mistake stops here
         # Sums on the device since the last log, per mode: read (one transfer) when logged.
         self._metric_sums: dict[str, dict[str, torch.Tensor]] = {"train": {}, "eval": {}}
         self._metric_pairs: dict[str, int] = {"train": 0, "eval": 0}
-        if self.reference == "precomputed":
-            self.train_dataset = self.with_reference_logps(self.train_dataset)
-            if isinstance(self.eval_dataset, dict):
-                self.eval_dataset = {name: self.with_reference_logps(data) for name, data in self.eval_dataset.items()}
-            else:
-                self.eval_dataset = self.with_reference_logps(self.eval_dataset)
+        self._computing_reference = False
+        # How each set got its reference log-probs: "computed" or "read" (from the cache), with the cache folder.
+        self.reference_origin: dict[str, tuple[str, str]] = {}
 
-    def with_reference_logps(self, dataset: Dataset | None) -> Dataset | None:
+    @property
+    def reference(self) -> str:
+        """Where this run's reference log-probs come from: model, adapters_off, precomputed or none."""
+        return reference_mode(self.args.reference, self.args.loss_type, is_peft_model(self.model), self.ref_model)
+
+    def train(self, *args: Any, **kwargs: Any):
+        self.add_reference_logps()  # from the starting weights: a resumed run loads its checkpoint after this
+        if self.throughput is not None:  # the logged FLOPs count the reference's forward at every step
+            self.throughput.reference_forward = self.model is not None and self.reference in ("model", "adapters_off")
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        given = kwargs.get("eval_dataset", args[0] if args else None)
+        if given is None:
+            self.add_reference_logps()
+        elif self.reference == "precomputed":
+            kwargs["eval_dataset"], args = self.with_reference_logps(given, "eval_dataset"), args[1:]
+        return super().evaluate(*args, **kwargs)
+
+    def add_reference_logps(self) -> None:
+        """Give the train and eval sets their precomputed reference log-probs, when the run uses them and they have
+        none yet: read from the cache, or computed from the model as it is now (the run's start) and kept there."""
+        if self.model is None or self.reference != "precomputed":
+            return
+        datasets = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"": self.eval_dataset}
+        if all(
+            d is None or "reference_chosen_logps" in d.column_names for d in [self.train_dataset, *datasets.values()]
+        ):
+            return
+        weights = self.starting_weights()  # before any computation: an engine built for it may cast the weights
+        self.train_dataset = self.with_reference_logps(self.train_dataset, "train", weights)
+        with_logps = {
+            name: self.with_reference_logps(data, f"eval {name}".strip(), weights) for name, data in datasets.items()
+        }
+        self.eval_dataset = with_logps if isinstance(self.eval_dataset, dict) else with_logps[""]
+
+    def starting_weights(self) -> list[str]:
+        """The digest of the weights the reference is computed from: every process's part under ZeRO-3."""
+        own = weights_digest(self.accelerator.unwrap_model(self.model))
+        return gather_object([own]) if is_deepspeed_zero3_enabled() else [own]
+
+    def with_reference_logps(
+        self, dataset: Dataset | None, name: str, weights: list[str] | None = None
+    ) -> Dataset | None:
         """`dataset` with `reference_chosen_logps` and `reference_rejected_logps` columns: the policy as it starts
-        (its adapters off under LoRA), computed once, before any step."""
+        (its adapters off under LoRA), read from the cache or computed once (every process its share, through the
+        evaluation loop, so that ZeRO-3's partitioned weights are gathered as for an evaluation) and kept there."""
         if dataset is None or "reference_chosen_logps" in dataset.column_names:
             return dataset
         model = self.accelerator.unwrap_model(self.model)
-        loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
-        chosen, rejected = [], []
-        was_training = model.training
-        model.eval()
+        precision = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else str(next(model.parameters()).dtype)
+        key = reference_key(pairs_digest(dataset), weights or self.starting_weights(), precision)
+        # Every process reads, or none does: the computation is collective.
+        found = gather_object([cached_reference(key) is not None])
+        started = time.perf_counter()
+        if all(found):
+            folder = cached_reference(key)
+            logps, origin = read_reference_logps(folder), "read"
+        else:
+            logps, origin = self.compute_reference_logps(dataset), "computed"
+            folder = keep_reference_logps(key, logps) if self.is_local_process_zero() else None
+        self.reference_origin[name] = (origin, str(folder or ""))
+        if self.is_world_process_zero():
+            where = f"from the cache {folder}" if origin == "read" else f"and kept in {folder}"
+            print(
+                f"hf_scale: reference log-probs of {len(dataset)} {name} pairs {origin} {where} "
+                f"({time.perf_counter() - started:.1f} s)",
+                flush=True,
+            )
+        return dataset.add_column("reference_chosen_logps", logps[:, 0].tolist()).add_column(
+            "reference_rejected_logps", logps[:, 1].tolist()
+        )
+
+    def compute_reference_logps(self, dataset: Dataset) -> np.ndarray:
+        """The (pairs, 2) chosen and rejected log-probs of the model as it is, its adapters off."""
+        self._computing_reference = True
         try:
-            with torch.no_grad(), self.adapters_off(model):
-                for batch in loader:
-                    logps = self.sequence_logps_of(model, batch)
-                    batch_chosen, batch_rejected = logps.chunk(2)
-                    chosen += batch_chosen.tolist()
-                    rejected += batch_rejected.tolist()
+            output = self.predict(dataset, metric_key_prefix="reference")
         finally:
-            model.train(was_training)
-        return dataset.add_column("reference_chosen_logps", chosen).add_column("reference_rejected_logps", rejected)
+            self._computing_reference = False
+        return np.asarray(output.predictions, dtype=np.float32).reshape(len(dataset), 2)
 
     def adapters_off(self, model: nn.Module):
         """A context in which a LoRA policy answers as its base (nothing to do for a full model)."""
@@ -158,15 +233,17 @@ class PreferenceTrainer(ScaleTrainer):
         return (loss, outputs) if return_outputs else loss
 
     def reference_logps(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor | None:
-        if self.reference == "none":
+        peft = is_peft_model(self.accelerator.unwrap_model(model))
+        reference = reference_mode(self.args.reference, self.args.loss_type, peft, self.ref_model)
+        if reference == "none":
             return None
-        if self.reference == "precomputed":
+        if reference == "precomputed":
             if "reference_logps" not in inputs:
                 raise ConfigError("reference: precomputed, but the batch has no reference_logps (a custom collator?)")
             return inputs["reference_logps"]
         batch = {name: inputs[name] for name in ("input_ids", "attention_mask", "labels")}
         with torch.no_grad():
-            if self.reference == "model":
+            if reference == "model":
                 return self.sequence_logps_of(self.ref_model, batch)
             unwrapped = self.accelerator.unwrap_model(model)  # no DDP/DeepSpeed bookkeeping for a no-grad forward
             with unwrapped.disable_adapter():
@@ -204,6 +281,10 @@ class PreferenceTrainer(ScaleTrainer):
         self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: list[str] | None = None
     ):
         inputs = {name: value.to(self.args.device) for name, value in inputs.items()}
+        if self._computing_reference:  # the rows' log-probs, as (pairs, 2) "predictions" gathered in order
+            with torch.no_grad(), self.adapters_off(self.accelerator.unwrap_model(model)):
+                logps = self.sequence_logps_of(model, inputs)
+            return None, torch.stack(logps.chunk(2), dim=1), None
         with torch.no_grad():
             loss = self.compute_batch_loss(model, inputs)
         return loss.detach(), None, None
@@ -221,6 +302,46 @@ class PreferenceTrainer(ScaleTrainer):
         metrics = self.take_metrics("eval")
         output.metrics.update({f"{metric_key_prefix}_{name}": value for name, value in metrics.items()})
         return output
+
+    def hyperparameter_search(
+        self,
+        hp_space: Callable[[Any], dict[str, Any]] | None = None,
+        compute_objective: Callable[[dict[str, float]], float] | None = None,
+        n_trials: int = 20,
+        direction: str | None = None,
+        backend: str | None = "optuna",
+        hp_name: Callable[[Any], str] | None = None,
+        **kwargs: Any,
+    ) -> BestRun:
+        """`ScaleTrainer.hyperparameter_search` over `preference_hp_space()` by default (learning rate, beta, loss).
+
+        eval_loss cannot rank trials whose beta or loss type differ (the loss's scale changes with both): with such
+        a space, set `metric_for_best_model` to rewards/accuracies (held-out reward accuracy, which beta does not
+        scale), eval exact match, or pass `compute_objective`. The precomputed reference is made (or read) once,
+        here, before any trial or parallel worker starts: every trial starts from the same weights and reads it.
+
+        Example:
+            args = ScalePreferenceArguments(output_dir="out", metric_for_best_model="rewards/accuracies",
+                                            eval_strategy="steps", eval_steps=50)
+            trainer = PreferenceTrainer(model_init=lambda: load_model(model_args, path, tokenizer), args=args,
+                                        train_dataset=pairs, eval_dataset=held_out_pairs)
+            best = trainer.hyperparameter_search(n_trials=8, pruner="median")
+        """
+        from hf_scale.hpo.objective import objective_metric  # optuna is needed only here
+        from hf_scale.hpo.space import loss_scale_keys, preference_hp_space
+
+        hp_space = hp_space or preference_hp_space()
+        if compute_objective is None and objective_metric(self.args) == "eval_loss":
+            if varied := loss_scale_keys(hp_space):
+                raise ConfigError(
+                    f"metric_for_best_model: eval_loss cannot rank trials whose {', '.join(varied)} differ (the "
+                    "preference loss's scale changes with them): set metric_for_best_model rewards/accuracies "
+                    "(held-out reward accuracy), exact_match, or pass compute_objective"
+                )
+        self.add_reference_logps()
+        return super().hyperparameter_search(
+            hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs
+        )
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if "loss" in logs:

@@ -18,10 +18,6 @@ Every config key is also a flag, and flags win: `--learning_rate 3e-5 --output_d
 `--resume auto` continues from the newest complete checkpoint in output_dir, if there is one.
 """
 
-import json
-from dataclasses import asdict
-from pathlib import Path
-
 from transformers import set_seed
 
 from hf_scale.arguments import ScaleTrainingArguments, prepare_run
@@ -32,8 +28,7 @@ from hf_scale.data.summary import batching_of, describe_batching, example_length
 from hf_scale.data.tokenize import responses_cut_warning
 from hf_scale.evaluation import GenerationEval
 from hf_scale.modeling import ModelArguments, load_model
-from hf_scale.plotting import plot_learning_rate, plot_loss_curve
-from hf_scale.recipes.preparation import parse_recipe_arguments, prepare_data, run_as_program
+from hf_scale.recipes.preparation import parse_recipe_arguments, prepare_data, run_as_program, write_run_files
 from hf_scale.trainer import ScaleTrainer
 
 
@@ -131,12 +126,7 @@ def main(argv: list[str]) -> dict:
         **after,
     }
     if trainer.is_world_process_zero():
-        output_dir = Path(args.output_dir)
-        (output_dir / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
-        run_config = {"model": asdict(model_args), "data": asdict(data_args), "training": args.to_sanitized_dict()}
-        (output_dir / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str) + "\n")
-        plot_loss_curve(trainer.state.log_history, output_dir / "loss_curve.png")
-        plot_learning_rate(trainer.state.log_history, output_dir / "learning_rate.png")
+        write_run_files(args.output_dir, results, model_args, data_args, args, trainer.state.log_history)
         if data.held_out:
             say(
                 f"held-out exact match: {before['eval_before_exact_match']:.3f} -> "
@@ -144,7 +134,7 @@ def main(argv: list[str]) -> dict:
             )
         say(
             "saved model, tokenizer, metrics.json, run_config.json, loss_curve.png and learning_rate.png to "
-            f"{output_dir}"
+            f"{args.output_dir}"
         )
     trainer.accelerator.end_training()  # the process group ends before the interpreter does
     return results

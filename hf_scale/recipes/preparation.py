@@ -45,6 +45,7 @@ from hf_scale.errors import ConfigError, HfScaleError
 from hf_scale.gguf_source import ensure_converted, gguf_path, is_gguf_source
 from hf_scale.modeling import ModelArguments, check_model_path, load_tokenizer
 from hf_scale.paths import cache_dir
+from hf_scale.plotting import plot_learning_rate, plot_loss_curve
 from hf_scale.tiny import ensure_tiny_model, generate_conversation_tasks, generate_tasks
 
 # Whether this process is the recipe's own (`python recipes/...`, `hf-scale train`): then its environment is the
@@ -56,7 +57,8 @@ own_process = False
 def parse_recipe_arguments(argv: list[str], dataclass_types: tuple, default_config: str, usage: str) -> tuple:
     """The recipe's dataclasses from `--config` (a file or a shipped name; `default_config` without one) and flags.
 
-    The first three types are ModelArguments, DataArguments and ScaleTrainingArguments. Every mistake stops here,
+    The first three types are ModelArguments, the data arguments (DataArguments, or the preference recipe's) and
+    ScaleTrainingArguments (or a subclass). Every mistake stops here,
     before any work; with -h, `usage` (how to launch the recipe) is printed before the parser's help. In the recipe's
     own process, a DeepSpeed run that no launcher started gets a launcher's variables for one process.
     """
@@ -76,7 +78,8 @@ def parse_recipe_arguments(argv: list[str], dataclass_types: tuple, default_conf
     model_args, data_args = parsed[0], parsed[1]
     if data_args.template != CHAT_TEMPLATE:  # the tokenizer's chat template is checked once it is loaded
         get_template(data_args.template, data_args.system_prompt)
-    conversational = [source.name for source in data_args.sources() if source.is_conversations]
+    sources = data_args.sources() if isinstance(data_args, DataArguments) else []
+    conversational = [source.name for source in sources if source.is_conversations]
     if conversational and data_args.template not in CONVERSATION_TEMPLATES:
         raise ConfigError(
             f"template: a JSON user template renders one-turn records only, and {conversational[0]} holds "
@@ -149,13 +152,7 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Sca
     The first process of each node (`main_process_first`) reads and tokenizes each source into the cache
     (`hf_scale.data.cache`); the others wait, then memory-map what it wrote, as a relaunch does."""
     sources = data_args.sources()
-    model_path = model_args.model_name_or_path
-    if model_path is None:
-        with args.main_process_first(desc="building the embedded tiny model"):
-            model_path = str(ensure_tiny_model())
-    elif is_gguf_source(model_path, model_args.gguf_file):
-        with args.main_process_first(desc="converting the GGUF file"):
-            model_path = str(ensure_converted(gguf_path(model_path, model_args.gguf_file)))
+    model_path = model_folder(model_args, args)
     tokenizer = load_tokenizer(model_path, trust_remote_code=model_args.trust_remote_code)
     template = get_template(data_args.template, data_args.system_prompt, tokenizer)
     # The run's template goes with the tokenizer it saves, so that `hf-scale chat`, an export and any
@@ -172,6 +169,19 @@ def prepare_data(model_args: ModelArguments, data_args: DataArguments, args: Sca
     eval_dataset = concatenate_datasets([source.eval_dataset for source in prepared])
     held_out = [record for group in zip_longest(*(s.held_out for s in prepared)) for record in group if record]
     return PreparedData(model_path, tokenizer, template, train_dataset, eval_dataset, prepared, drawn, held_out)
+
+
+def model_folder(model_args: ModelArguments, args: ScaleTrainingArguments) -> str:
+    """Where the model is loaded from: `model_name_or_path`, the embedded tiny model (built once) when it is empty,
+    or the folder a GGUF file is converted into (once; the first process of each node converts, the others wait)."""
+    model_path = model_args.model_name_or_path
+    if model_path is None:
+        with args.main_process_first(desc="building the embedded tiny model"):
+            return str(ensure_tiny_model())
+    if is_gguf_source(model_path, model_args.gguf_file):
+        with args.main_process_first(desc="converting the GGUF file"):
+            return str(ensure_converted(gguf_path(model_path, model_args.gguf_file)))
+    return model_path
 
 
 def prepare_source(
@@ -328,6 +338,20 @@ def load_source(source: DataSource, on_bad_record: OnBadRecord, eval_ratio: floa
     items, check = load(source.path)
     train, held_out = split_records(items, eval_ratio, seed)
     return train, held_out, [check]
+
+
+def write_run_files(
+    output_dir: str, results: dict, model_args: Any, data_args: Any, args: Any, log_history: list
+) -> None:
+    """A finished run's own files beside its model: metrics.json (the results), run_config.json (every argument, which
+    chat and export read back), the loss curve and the learning-rate schedule."""
+    folder = Path(output_dir)
+    (folder / "metrics.json").write_text(json.dumps(results, indent=2) + "\n")
+    run_config = {"model": dataclasses.asdict(model_args), "data": dataclasses.asdict(data_args)}
+    run_config["training"] = args.to_sanitized_dict()
+    (folder / "run_config.json").write_text(json.dumps(run_config, indent=2, default=str) + "\n")
+    plot_loss_curve(log_history, folder / "loss_curve.png")
+    plot_learning_rate(log_history, folder / "learning_rate.png")
 
 
 def run_as_program(main: Callable[[list[str]], dict]) -> None:

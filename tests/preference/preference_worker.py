@@ -31,11 +31,13 @@ def main() -> None:
     pairs = [preference_pair(record, f"pair {index}") for index, record in enumerate(records)]
     dataset, _ = tokenize_preferences(pairs, tokenizer, get_template("alpaca"), max_length=128)
     trainer = PreferenceTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    step0 = trainer.evaluate(eval_dataset=dataset)  # the policy is its reference: ln 2, margins 0
     trainer.train()
     if trainer.is_world_process_zero():
         out = Path(args.output_dir)
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        (out / "losses.json").write_text(json.dumps({"losses": losses, "reference": trainer.reference}))
+        report = {"losses": losses, "reference": trainer.reference, "step0": step0, "origin": trainer.reference_origin}
+        (out / "losses.json").write_text(json.dumps(report))
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # gathered under ZeRO-3, on every rank
     if trainer.is_world_process_zero():
         trained = {

@@ -99,6 +99,7 @@ def test_lora_learns_to_prefer_the_right_answer_on_held_out_pairs(trained_tiny_r
         assert before["eval_rewards/accuracies"] == 0.0 and after["eval_rewards/accuracies"] >= 0.85, after
         assert after["eval_rewards/margins"] > 0.1
     assert after["eval_loss"] < before["eval_loss"]
+    assert trainer.throughput.reference_forward == (reference == "adapters_off")  # in flops_per_token
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == 4 and all(
         "rewards/accuracies" in entry and "real_tokens_per_second" in entry for entry in logged

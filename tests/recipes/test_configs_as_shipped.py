@@ -38,7 +38,8 @@ DATA = {
 
 
 def test_every_shipped_config_is_launched_here():
-    assert {path.name for path in SHIPPED_CONFIGS.glob("*.yaml")} == {*DATA, *DEFAULTS, *REAL_MODEL_ON_CPU}
+    launched_here = {path.name for path in SHIPPED_CONFIGS.glob("*.yaml") if not path.stem.endswith("_dpo")}
+    assert launched_here == {*DATA, *DEFAULTS, *REAL_MODEL_ON_CPU}  # *_dpo.yaml: tests/recipes/test_dpo_llama2.py
 
 
 @pytest.mark.parametrize("name", DATA)
