@@ -66,8 +66,19 @@ def test_parallel_workers_read_the_reference_the_launcher_computed(trained_tiny_
     assert len(report["trials"]) == 4 and all(t["state"] == "COMPLETE" for t in report["trials"])
 
 
-def test_eval_loss_is_refused_as_the_objective_when_beta_or_the_loss_vary(trained_tiny_run, tmp_path):
-    result = search(trained_tiny_run, tmp_path / "search", tmp_path / "cache")
-    assert result.returncode != 0
-    assert "metric_for_best_model: eval_loss cannot rank trials whose beta, loss_type differ" in result.stderr
-    assert "reference log-probs" not in result.stdout  # refused before any work
+def test_eval_loss_is_refused_as_the_objective_when_beta_or_the_loss_vary(tiny_model_dir, tmp_path):
+    """Before any work: no reference computed, no study opened."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_scale.errors import ConfigError
+    from hf_scale.preference import PreferenceTrainer, ScalePreferenceArguments
+
+    args = ScalePreferenceArguments(output_dir=str(tmp_path), report_to="none")
+    trainer = PreferenceTrainer(
+        model_init=lambda: AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        args=args,
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
+    with pytest.raises(ConfigError, match="eval_loss cannot rank trials whose beta, loss_type differ"):
+        trainer.hyperparameter_search(n_trials=2)
+    assert not trainer.reference_origin and not list(tmp_path.iterdir())

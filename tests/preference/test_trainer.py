@@ -80,26 +80,19 @@ def test_the_sigmoid_loss_is_ln_2_at_step_0_with_every_reference(
     assert abs(metrics["eval_rewards/margins"]) < 1e-5 and metrics["eval_rewards/accuracies"] == 0.0
 
 
-@pytest.mark.parametrize(("reference", "loss_type"), [("adapters_off", "sigmoid"), ("none", "simpo")])
-def test_lora_learns_to_prefer_the_right_answer_on_held_out_pairs(trained_tiny_run, tmp_path, reference, loss_type):
-    """40 steps of 8 pairs on the SFT run with LoRA: with the adapters-off reference, held-out reward accuracy goes
-    from 0 (rewards are relative to the reference) to 0.89 (measured; the issue asks 0.9); reference-free (SimPO),
-    whose rewards are the SFT model's own preference (already right on every held-out pair), the margin widens."""
-    options = {"learning_rate": 5e-3, "max_steps": 40, "warmup_steps": 0}
-    if loss_type == "simpo":
-        options.update(beta=2.0, simpo_gamma=0.5)
-    trainer = trainer_for(trained_tiny_run, tmp_path, 8, reference, loss_type, train=512, held_out=128, **options)
+def test_reference_free_simpo_under_lora_widens_the_margin_of_the_sft_models_own_preference(trained_tiny_run, tmp_path):
+    """40 steps of 8 pairs of SimPO on the SFT run with LoRA. Its rewards are the SFT model's own preference, already
+    right on every held-out pair (reward accuracy 1.0 before), so what it can show is a wider margin. (The learning
+    from 0 to >= 0.9 with a reference is tests/recipes/test_dpo_llama2.py's, on the shipped default.)"""
+    options = {"learning_rate": 5e-3, "max_steps": 40, "warmup_steps": 0, "beta": 2.0, "simpo_gamma": 0.5}
+    trainer = trainer_for(trained_tiny_run, tmp_path, 8, "none", "simpo", train=512, held_out=128, **options)
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
-    if reference == "none":
-        assert before["eval_rewards/accuracies"] == after["eval_rewards/accuracies"] == 1.0
-        assert after["eval_rewards/margins"] > before["eval_rewards/margins"] + 0.5
-    else:
-        assert before["eval_rewards/accuracies"] == 0.0 and after["eval_rewards/accuracies"] >= 0.85, after
-        assert after["eval_rewards/margins"] > 0.1
+    assert before["eval_rewards/accuracies"] == after["eval_rewards/accuracies"] == 1.0
+    assert after["eval_rewards/margins"] > before["eval_rewards/margins"] + 0.5
     assert after["eval_loss"] < before["eval_loss"]
-    assert trainer.throughput.reference_forward == (reference == "adapters_off")  # in flops_per_token
+    assert not trainer.throughput.reference_forward  # no reference forward in flops_per_token
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logged) == 4 and all(
         "rewards/accuracies" in entry and "real_tokens_per_second" in entry for entry in logged
