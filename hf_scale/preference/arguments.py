@@ -135,6 +135,13 @@ class PreferenceDataArguments:
             "choices": ("keep_prompt", "cut_prompt_left", "drop"),
         },
     )
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "Each batch's chosen and rejected sequences in one row without padding (position ids restart at "
+            "each; no sequence sees another); the log-probs are summed per sequence, equal to padded rows'."
+        },
+    )
     exact_match_samples: int = field(
         default=0,
         metadata={"help": "Held-out prompts answered greedily at each evaluation (eval_exact_match against chosen)."},

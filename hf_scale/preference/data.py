@@ -296,6 +296,7 @@ class PreparedPairs:
     eval_summary: PreferenceSummary
     template: str | PromptTemplate
     generation_records: list[dict[str, Any]]
+    generation_template: PromptTemplate  # where generation stops (its end of turn)
 
 
 def pairs_template(
@@ -357,4 +358,9 @@ def prepare_pairs(
             {"prompt_ids": tokenizer(text, add_special_tokens=False)["input_ids"], "output": pair.chosen}
             for pair, text in zip(samples, render_all(tokenizer, template, prompts, True), strict=True)
         ]
-    return PreparedPairs(train_dataset, eval_dataset_, train_summary, eval_summary, template, records)
+    generation_template = (
+        template if isinstance(template, PromptTemplate) else get_template(template_name, system_prompt, tokenizer)
+    )
+    return PreparedPairs(
+        train_dataset, eval_dataset_, train_summary, eval_summary, template, records, generation_template
+    )

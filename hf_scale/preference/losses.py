@@ -24,6 +24,26 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return torch.stack(sums), mask.sum(dim=1)
 
 
+def packed_sequence_logps(
+    logits: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor, chunk: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logps` of a packed row: logits (1, T, V), labels and `sequence_ids` (1, T) as `PreferenceCollator`
+    packs them. Position t predicts label t + 1 within its sequence (a sequence's first label is unlabelled, so nothing
+    is predicted across a boundary); the log-softmax is taken in fp32 `chunk` positions at a time."""
+    targets = labels[0, 1:]
+    mask = targets != IGNORE_INDEX
+    owners = sequence_ids[0, 1:]
+    count = int(sequence_ids.max()) + 1
+    sums = torch.zeros(count, dtype=torch.float32, device=logits.device)
+    for start in range(0, targets.numel(), chunk):
+        part = slice(start, start + chunk)
+        token_logps = logits[0, :-1][part].float().log_softmax(-1)
+        token_logps = token_logps.gather(-1, targets[part].masked_fill(~mask[part], 0).unsqueeze(-1)).squeeze(-1)
+        sums = sums.index_add(0, owners[part], token_logps * mask[part])
+    lengths = torch.zeros(count, dtype=torch.long, device=logits.device).index_add(0, owners, mask.long())
+    return sums, lengths
+
+
 def preference_losses(
     logps: torch.Tensor,
     lengths: torch.Tensor,

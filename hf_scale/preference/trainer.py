@@ -18,8 +18,8 @@ from transformers.trainer_utils import BestRun
 
 from hf_scale.errors import ConfigError
 from hf_scale.preference.arguments import REFERENCE_FREE_LOSSES, ScalePreferenceArguments
-from hf_scale.preference.collator import PreferenceCollator
-from hf_scale.preference.losses import preference_losses, sequence_logps
+from hf_scale.preference.collator import PreferenceCollator, pad_token_id
+from hf_scale.preference.losses import packed_sequence_logps, preference_losses, sequence_logps
 from hf_scale.preference.reference import (
     cached_reference,
     keep_reference_logps,
@@ -102,9 +102,7 @@ class PreferenceTrainer(ScaleTrainer):
         if args is not None and not isinstance(args, ScalePreferenceArguments):
             raise TypeError(f"PreferenceTrainer needs ScalePreferenceArguments, got {type(args).__name__}")
         if data_collator is None:
-            pad = getattr(processing_class, "pad_token_id", None)
-            pad = pad if pad is not None else getattr(processing_class, "eos_token_id", 0)
-            data_collator = PreferenceCollator(pad_token_id=pad)
+            data_collator = PreferenceCollator(pad_token_id(processing_class))
         args = args or ScalePreferenceArguments(output_dir="preference-run")
         super().__init__(
             model=model, args=args, data_collator=data_collator, processing_class=processing_class, **kwargs
@@ -206,17 +204,22 @@ class PreferenceTrainer(ScaleTrainer):
         """A context in which a LoRA policy answers as its base (nothing to do for a full model)."""
         return model.disable_adapter() if is_peft_model(model) else nullcontext()
 
+    def forward_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """(the model's outputs, each sequence's summed log-prob, its labelled tokens) for a padded or packed batch."""
+        names = ("input_ids", "attention_mask", "position_ids")
+        outputs = model(**{name: batch[name] for name in names if name in batch}, use_cache=False)
+        if "sequence_ids" in batch:
+            return outputs, *packed_sequence_logps(outputs.logits, batch["labels"], batch["sequence_ids"])
+        return outputs, *sequence_logps(outputs.logits, batch["labels"])
+
     def sequence_logps_of(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        inputs = {name: batch[name].to(self.args.device) for name in ("input_ids", "attention_mask")}
-        logits = model(**inputs, use_cache=False).logits
-        return sequence_logps(logits, batch["labels"].to(self.args.device))[0]
+        return self.forward_logps(model, {name: value.to(self.args.device) for name, value in batch.items()})[1]
 
     def compute_batch_loss(
         self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ):
         reference_logps = self.reference_logps(model, inputs)  # first: no graph of the policy's is alive during it
-        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
-        logps, lengths = sequence_logps(outputs.logits, inputs["labels"])
+        outputs, logps, lengths = self.forward_logps(model, inputs)
         args = self.args
         losses, chosen_rewards, rejected_rewards = preference_losses(
             logps,
@@ -241,7 +244,7 @@ class PreferenceTrainer(ScaleTrainer):
             if "reference_logps" not in inputs:
                 raise ConfigError("reference: precomputed, but the batch has no reference_logps (a custom collator?)")
             return inputs["reference_logps"]
-        batch = {name: inputs[name] for name in ("input_ids", "attention_mask", "labels")}
+        batch = {name: value for name, value in inputs.items() if name not in ("reference_logps", "use_cache")}
         with torch.no_grad():
             if reference == "model":
                 return self.sequence_logps_of(self.ref_model, batch)

@@ -25,8 +25,9 @@ from hf_scale.arguments import prepare_run
 from hf_scale.data.summary import render_masked_example
 from hf_scale.evaluation import GenerationEval
 from hf_scale.modeling import ModelArguments, load_model, load_tokenizer
-from hf_scale.preference import PreferenceTrainer, ScalePreferenceArguments
+from hf_scale.preference import PreferenceCollator, PreferenceTrainer, ScalePreferenceArguments
 from hf_scale.preference.arguments import PreferenceDataArguments
+from hf_scale.preference.collator import pad_token_id
 from hf_scale.preference.data import prepare_pairs
 from hf_scale.recipes.preparation import model_folder, parse_recipe_arguments, run_as_program, write_run_files
 
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> dict:
     generation_eval = None
     if data.generation_records:
         generation_eval = GenerationEval(
-            data.generation_records, data.template, data_args.max_new_tokens, args.per_device_eval_batch_size
+            data.generation_records, data.generation_template, data_args.max_new_tokens, args.per_device_eval_batch_size
         )
     trainer = PreferenceTrainer(
         model=model,
@@ -73,6 +74,7 @@ def main(argv: list[str]) -> dict:
         ref_model=ref_model,
         train_dataset=data.train_dataset,
         eval_dataset=data.eval_dataset,
+        data_collator=PreferenceCollator(pad_token_id(tokenizer), packing=data_args.packing),
         processing_class=tokenizer,
         generation_eval=generation_eval,
     )

@@ -139,3 +139,13 @@ def test_the_reference_mode_must_fit_the_model(tiny_model_dir, tmp_path):
         PreferenceTrainer(model=model, args=args, processing_class=tokenizer)
     with pytest.raises(ConfigError, match="reference-free"):
         ScalePreferenceArguments(output_dir=str(tmp_path), loss_type="simpo", reference="precomputed")
+
+
+def test_the_divergence_guard_stops_a_preference_run_whose_loss_becomes_nan(tiny_model_dir, tmp_path):
+    """A learning rate far too high: the guard stops at the first NaN step with its diagnosis checkpoint, as in SFT."""
+    from hf_scale.callbacks import TrainingDiverged
+
+    trainer = trainer_for(tiny_model_dir, tmp_path, learning_rate=1e30, max_steps=6, warmup_steps=0)
+    with pytest.raises(TrainingDiverged, match=r"training diverged at step \d: the loss is nan") as raised:
+        trainer.train()
+    assert raised.value.diagnosis.is_dir() and raised.value.diagnosis.parent.name.startswith("diverged-step-")
