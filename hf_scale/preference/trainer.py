@@ -319,15 +319,19 @@ class PreferenceTrainer(ScaleTrainer):
         """`ScaleTrainer.hyperparameter_search` over `preference_hp_space()` by default (learning rate, beta, loss).
 
         eval_loss cannot rank trials whose beta or loss type differ (the loss's scale changes with both): with such
-        a space, set `metric_for_best_model` to rewards/accuracies (held-out reward accuracy, which beta does not
-        scale), eval exact match, or pass `compute_objective`. The precomputed reference is made (or read) once,
-        here, before any trial or parallel worker starts: every trial starts from the same weights and reads it.
+        a space, set `metric_for_best_model` to exact_match (held-out greedy answers, `generation_eval`) or
+        rewards/accuracies (held-out reward accuracy, which beta does not scale), or pass `compute_objective`. In
+        short trials reward accuracy tends to tie: Adam's first steps move every trial's rewards the same way
+        whatever its rate and beta (measured: 4 trials, rates 2e-7 to 1.5e-4, the same accuracy at every evaluation).
+        The precomputed reference is made (or read) once, here, before any trial or parallel worker starts: every
+        trial starts from the same weights and reads it.
 
         Example:
-            args = ScalePreferenceArguments(output_dir="out", metric_for_best_model="rewards/accuracies",
+            args = ScalePreferenceArguments(output_dir="out", metric_for_best_model="exact_match",
                                             eval_strategy="steps", eval_steps=50)
             trainer = PreferenceTrainer(model_init=lambda: load_model(model_args, path, tokenizer), args=args,
-                                        train_dataset=pairs, eval_dataset=held_out_pairs)
+                                        train_dataset=pairs, eval_dataset=held_out_pairs,
+                                        generation_eval=GenerationEval(held_out_records, template))
             best = trainer.hyperparameter_search(n_trials=8, pruner="median")
         """
         from hf_scale.hpo.objective import objective_metric  # optuna is needed only here
@@ -338,8 +342,8 @@ class PreferenceTrainer(ScaleTrainer):
             if varied := loss_scale_keys(hp_space):
                 raise ConfigError(
                     f"metric_for_best_model: eval_loss cannot rank trials whose {', '.join(varied)} differ (the "
-                    "preference loss's scale changes with them): set metric_for_best_model rewards/accuracies "
-                    "(held-out reward accuracy), exact_match, or pass compute_objective"
+                    "preference loss's scale changes with them): set metric_for_best_model exact_match (held-out "
+                    "greedy answers, with generation_eval) or rewards/accuracies, or pass compute_objective"
                 )
         self.add_reference_logps()
         return super().hyperparameter_search(

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from hf_scale.arguments import prepare_run
 from hf_scale.data.templates import get_template
+from hf_scale.evaluation import GenerationEval
 from hf_scale.hpo import SearchArguments
 from hf_scale.hpo.space import preference_hp_space
 from hf_scale.preference import PreferenceTrainer, ScalePreferenceArguments, preference_pair, tokenize_preferences
@@ -36,17 +37,20 @@ def main() -> None:
     args = prepare_run(args)
     tokenizer = AutoTokenizer.from_pretrained(worker.model_path)
     train, held_out = generate_preference_tasks()
+    # held-out prompts answered greedily at each evaluation: eval_exact_match against the chosen answer
+    answers = [{"instruction": r["instruction"], "input": r["input"], "output": r["chosen"]} for r in held_out[:32]]
     trainer = PreferenceTrainer(
         model_init=lambda: AutoModelForCausalLM.from_pretrained(worker.model_path),
         args=args,
         train_dataset=pairs(tokenizer, train[:64]),
         eval_dataset=pairs(tokenizer, held_out[:32]),
         processing_class=tokenizer,
+        generation_eval=GenerationEval(answers, get_template("alpaca"), max_new_tokens=8),
     )
     settings = {key: value for key, value in vars(search).items() if key not in ("n_trials", "direction")}
-    # learning rates from one that moves nothing in 6 steps to one that learns: the pruner has something to stop
+    # rates from one that keeps the SFT answers in 6 steps to ones that unlearn them: something to prune
     best = trainer.hyperparameter_search(
-        hp_space=preference_hp_space(learning_rate=(1e-7, 1e-3)), n_trials=search.n_trials, **settings
+        hp_space=preference_hp_space(learning_rate=(1e-4, 1e-1)), n_trials=search.n_trials, **settings
     )
     if trainer.is_world_process_zero():
         study = trainer.hp_search_study
