@@ -30,7 +30,12 @@ def main() -> None:
     records = generate_preference_tasks()[0][:PAIRS]
     pairs = [preference_pair(record, f"pair {index}") for index, record in enumerate(records)]
     dataset, _ = tokenize_preferences(pairs, tokenizer, get_template("alpaca"), max_length=128)
-    trainer = PreferenceTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    ref_model = None
+    if args.reference == "model":  # a second, frozen copy of the starting model
+        ref_model = load_model(ModelArguments(), str(ensure_tiny_model()), tokenizer)
+    trainer = PreferenceTrainer(
+        model=model, args=args, ref_model=ref_model, train_dataset=dataset, processing_class=tokenizer
+    )
     step0 = trainer.evaluate(eval_dataset=dataset)  # the policy is its reference: ln 2, margins 0
     trainer.train()
     if trainer.is_world_process_zero():

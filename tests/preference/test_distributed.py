@@ -41,6 +41,8 @@ QLORA = [*LORA, "--quantization", "nf4"]
     ("flags", "strategy", "reference"),
     [
         (FULL, "ddp", "precomputed"),
+        (["--reference", "model"], "ddp", "model"),
+        ([*LORA, "--reference", "precomputed"], "ddp", "precomputed"),
         (LORA, "ddp", "adapters_off"),
         (QLORA, "ddp", "adapters_off"),
         (FULL, "zero2", "precomputed"),
@@ -48,14 +50,25 @@ QLORA = [*LORA, "--quantization", "nf4"]
         (FULL, "zero3", "precomputed"),
         (LORA, "zero3", "precomputed"),
     ],
-    ids=["full-ddp", "lora-ddp", "qlora-ddp", "full-zero2", "lora-zero2", "full-zero3", "lora-zero3"],
+    ids=[
+        "full-ddp",
+        "full-ref-model-ddp",
+        "lora-precomputed-ddp",
+        "lora-ddp",
+        "qlora-ddp",
+        "full-zero2",
+        "lora-zero2",
+        "full-zero3",
+        "lora-zero3",
+    ],
 )
 def test_two_processes_train_as_one_with_accumulation_2(tmp_path, tiny_model_dir, flags, strategy, reference):
     """2 processes (DDP, or ZeRO-2) against the plain single process with accumulation 2."""
     one, one_weights = launch(tmp_path / "one", 1, *flags)
     zero = [] if strategy == "ddp" else ["--zero_preset", strategy]
     two, two_weights = launch(tmp_path / "two", 2, *flags, *zero)
-    assert two["reference"] == reference and one["reference"] == ("adapters_off" if "--lora_r" in flags else reference)
+    one_process = "adapters_off" if "--lora_r" in flags and "--reference" not in flags else reference
+    assert two["reference"] == reference and one["reference"] == one_process
     for report in (one, two):  # before the first step the policy is its reference
         assert abs(report["step0"]["eval_loss"] - math.log(2)) < 1e-5, report["step0"]
         assert abs(report["step0"]["eval_rewards/margins"]) < 1e-5
